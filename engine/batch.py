@@ -1,0 +1,99 @@
+"""What the scheduler hands the executor each step, and what comes back.
+
+The scheduler (pure Python) builds a `ModelBatch`; an `Executor` runs it in the
+engine's worker thread and returns a `ModelOutput`. Both sides live in the same
+process, so token lists are shared by reference, never copied per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from wavecore.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SequenceChunk:
+    """One sequence's share of a forward pass: a prefill chunk or one decode token.
+
+    `token_ids` are the tokens to run now; the first sits at position `start_pos`
+    (that many tokens of this sequence are already in the KV cache). `block_table`
+    covers positions `[0, start_pos + len(token_ids))`. When `sample` is true, one
+    token is sampled after the last of `token_ids`. `all_token_ids` is the request's
+    whole token list (prompt then outputs, `prompt_len` of the former), read by
+    penalties, `min_tokens` and seeded sampling; the executor must not mutate it.
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    start_pos: int
+    block_table: Sequence[int]
+    sample: bool
+    sampling: SamplingParams
+    all_token_ids: Sequence[int]
+    prompt_len: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.prompt_len
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelBatch:
+    chunks: tuple[SequenceChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(chunk.token_ids) for chunk in self.chunks)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SampledToken:
+    """The token sampled for one request, with log-probabilities when asked.
+
+    `logprob` is the sampled token's log-probability (None unless the request set
+    `logprobs`); `top_logprobs` holds the `logprobs` most likely (token, logprob)
+    pairs, most likely first.
+    """
+
+    request_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelOutput:
+    """One `SampledToken` per chunk with `sample=True`, in chunk order."""
+
+    sampled: tuple[SampledToken, ...]
+
+
+class Executor(Protocol):
+    """Runs forward passes. Every method is called from the engine's worker thread."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_kv_blocks(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def execute(self, batch: ModelBatch) -> ModelOutput: ...
+
+    def execute_dummy(self) -> None:
+        """A forward on a tiny batch, so DP ranks with no work stay in step."""
+
+    def sleep(self, level: int) -> None:
+        """Level 1: offload weights, drop the KV cache. Level 2: drop both."""
+
+    def wake_up(self, tags: frozenset[str]) -> None:
+        """Restore what `tags` names among {"weights", "kv_cache"}."""
+
+    def reset_kv_cache(self) -> None: ...
+
+    def close(self) -> None: ...
