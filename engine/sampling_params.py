@@ -18,7 +18,9 @@ def _check_int(name: str, value: object, *, low: int, high: int | None = None) -
         raise ValueError(f"SamplingParams.{name} must be {bound}, got {value}")
 
 
-def _check_float(name: str, value: object, *, low: float, high: float, low_open: bool = False) -> None:
+def _check_float(
+    name: str, value: object, *, low: float, high: float, low_open: bool = False
+) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"SamplingParams.{name} must be a number, got {type(value).__name__}")
     if not math.isfinite(value):
@@ -77,7 +79,9 @@ class SamplingParams:
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=2**63 - 1)
-        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=10.0, low_open=True)
+        _check_float(
+            "repetition_penalty", self.repetition_penalty, low=0.0, high=10.0, low_open=True
+        )
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
@@ -85,7 +89,9 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
-            raise ValueError("SamplingParams.stop_token_ids must be a sequence of non-negative ints")
+            raise ValueError(
+                "SamplingParams.stop_token_ids must be a sequence of non-negative ints"
+            )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError("SamplingParams.ignore_eos must be a bool")
         if self.logprobs is not None:

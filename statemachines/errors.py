@@ -17,3 +17,16 @@ class ProtocolError(Exception):
         self.event = event
         detail = f": {reason}" if reason else ""
         super().__init__(f"{machine} can't handle event {event!r} in state {state}{detail}")
+
+
+class LockstepDriftError(ProtocolError):
+    """Ranks met in one all-reduce with different step counters or waves.
+
+    Raised instead of letting the next collective hang: drift means the ranks issued
+    different numbers of forwards since their last sync, which a later all-reduce turns
+    into a silent hang.
+    """
+
+
+class ReconfigurationActiveError(ProtocolError):
+    """A second reconfiguration was requested while one is still in progress."""

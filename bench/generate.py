@@ -1,0 +1,260 @@
+"""End-to-end generation throughput: wavecore's async engine against transformers.
+
+Side by side in one run, same model (the default SmolLM2-135M GGUF, float32), same
+prompts (token ids of mixed lengths), same number of output tokens, greedy:
+- wavecore through `open_engine`/`generate` with up to C requests in flight;
+- transformers `generate` with left padding, C prompts per batch.
+For C in the concurrency sweep both run; the headline compares wavecore at C=64
+against transformers at batch 16 (its better setting here). Prints a table, writes
+bench/results/generate.json and plots throughput against concurrency as a PNG.
+
+`--quick` shrinks everything for a smoke test; `--executor null --skip-peer` times the
+engine alone without a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from wavecore.engine.async_engine import open_engine
+from wavecore.engine.config import EngineConfig
+from wavecore.engine.latency import RequestTimer, RunSummary
+from wavecore.engine.sampling_params import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WORDS = (
+    "the engine schedules requests in waves while ranks step together and pause by "
+    "consensus before they sleep wake and scale as load changes over the day so every "
+    "token streams back in order to the caller who asked for it"
+).split()
+
+
+def make_prompts(count: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of lengths spread over [low, high], deterministic by seed."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(count):
+        length = low + (high - low) * i // max(1, count - 1)
+        prompts.append([rng.randrange(100, vocab) for _ in range(length)])
+    rng.shuffle(prompts)
+    return prompts
+
+
+async def run_wavecore(
+    config: EngineConfig, prompts: list[list[int]], new_tokens: int, concurrency: int
+) -> RunSummary:
+    params = SamplingParams(
+        max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, ignore_eos=True
+    )
+    limiter = anyio.CapacityLimiter(concurrency)
+    timers: list[RequestTimer] = []
+    outputs = 0
+
+    async def one(prompt: list[int]) -> None:
+        nonlocal outputs
+        async with limiter:
+            timer = RequestTimer()
+            timers.append(timer)
+            async for delta in engine.generate(prompt, params):
+                timer.tokens_arrived(len(delta.token_ids))
+                outputs += len(delta.token_ids)
+
+    async with open_engine(config) as engine:
+        # Warm up once so the first timed request does not pay for lazy set-up.
+        async for _ in engine.generate(prompts[0][:8], SamplingParams(max_tokens=2)):
+            pass
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for prompt in prompts:
+                tg.start_soon(one, prompt)
+        seconds = time.perf_counter() - start
+    return RunSummary.of(
+        timers, prompt_tokens=sum(map(len, prompts)), output_tokens=outputs, seconds=seconds
+    )
+
+
+class TransformersPeer:
+    """transformers `generate`, left-padded batches, timing the first token by hook."""
+
+    def __init__(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from wavecore.engine.model import default_model_path
+
+        path = default_model_path()
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+        )
+        self.model.eval()
+
+    def run(self, prompts: list[list[int]], new_tokens: int, batch: int) -> RunSummary:
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        torch = self.torch
+        timers: list[RequestTimer] = []
+        outputs = 0
+        pad = 0
+        start = time.perf_counter()
+        for first in range(0, len(prompts), batch):
+            group = prompts[first : first + batch]
+            longest = max(map(len, group))
+            ids = torch.tensor([[pad] * (longest - len(p)) + p for p in group])
+            mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in group])
+            group_timers = [RequestTimer() for _ in group]
+
+            class StepClock(LogitsProcessor):
+                def __call__(self, input_ids, scores):  # type: ignore[no-untyped-def]
+                    for timer in group_timers:
+                        timer.tokens_arrived(1)
+                    return scores
+
+            with torch.inference_mode():
+                out = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    do_sample=False,
+                    pad_token_id=pad,
+                    logits_processor=LogitsProcessorList([StepClock()]),
+                )
+            outputs += (out.shape[1] - longest) * len(group)
+            timers += group_timers
+        seconds = time.perf_counter() - start
+        return RunSummary.of(
+            timers, prompt_tokens=sum(map(len, prompts)), output_tokens=outputs, seconds=seconds
+        )
+
+
+def row(system: str, concurrency: int, summary: RunSummary) -> dict[str, Any]:
+    return {
+        "system": system,
+        "concurrency": concurrency,
+        "requests": summary.requests,
+        "output_tokens": summary.output_tokens,
+        "seconds": round(summary.seconds, 3),
+        "tokens_per_s": round(summary.output_tokens_per_s, 1),
+        "requests_per_s": round(summary.requests_per_s, 3),
+        "ttft_p50_ms": round(summary.ttft_p50 * 1000, 1),
+        "ttft_p99_ms": round(summary.ttft_p99 * 1000, 1),
+        "itl_p50_ms": round(summary.itl_p50 * 1000, 2),
+        "itl_p99_ms": round(summary.itl_p99 * 1000, 2),
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    header = f"{'system':<14}{'conc':>5}{'reqs':>6}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}"
+    print(header)
+    for r in rows:
+        print(
+            f"{r['system']:<14}{r['concurrency']:>5}{r['requests']:>6}{r['tokens_per_s']:>9.1f}"
+            f"{r['requests_per_s']:>8.2f}{r['ttft_p50_ms']:>9.0f}ms{r['ttft_p99_ms']:>7.0f}ms"
+            f"{r['itl_p50_ms']:>7.1f}ms{r['itl_p99_ms']:>6.1f}ms"
+        )
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for system in sorted({r["system"] for r in rows}):
+        points = sorted(
+            (r["concurrency"], r["tokens_per_s"]) for r in rows if r["system"] == system
+        )
+        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=system)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("requests in flight (wavecore) / batch size (transformers)")
+    axes.set_ylabel("output tokens/s")
+    axes.set_title("generation throughput, SmolLM2-135M fp32, 2 CPU cores")
+    axes.legend()
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    parser.add_argument("--executor", choices=["model", "null"], default="model")
+    parser.add_argument("--skip-peer", action="store_true", help="do not run transformers")
+    parser.add_argument("--output", type=Path, default=RESULTS / "generate.json")
+    args = parser.parse_args()
+
+    if args.quick:
+        count, low, high, new_tokens, sweep = 8, 16, 64, 8, (1, 4)
+    else:
+        count, low, high, new_tokens, sweep = 64, 16, 512, 128, (1, 4, 16, 64)
+    config = EngineConfig(executor=args.executor, max_num_seqs=64, max_num_batched_tokens=2048)
+    vocab = 250 if args.executor == "null" else 49152
+    prompts = make_prompts(count, low, high, vocab)
+    peer = None if args.skip_peer or args.executor == "null" else TransformersPeer()
+
+    rows = []
+    for concurrency in sweep:
+        # Low concurrency runs a few requests only; the figure is a rate.
+        subset = prompts[: max(4, min(count, 2 * concurrency))]
+        summary = anyio.run(run_wavecore, config, subset, new_tokens, concurrency)
+        rows.append(row("wavecore", concurrency, summary))
+        if peer is not None:
+            rows.append(row("transformers", concurrency, peer.run(subset, new_tokens, concurrency)))
+        print_table(rows[-2:] if peer is not None else rows[-1:])
+
+    headline = {}
+    wavecore_top = max(
+        (r for r in rows if r["system"] == "wavecore"), key=lambda r: r["concurrency"]
+    )
+    headline["wavecore_tokens_per_s"] = wavecore_top["tokens_per_s"]
+    if peer is not None:
+        peer_rows = {r["concurrency"]: r for r in rows if r["system"] == "transformers"}
+        reference = peer_rows.get(16, max(peer_rows.values(), key=lambda r: r["tokens_per_s"]))
+        headline["transformers_batch16_tokens_per_s"] = reference["tokens_per_s"]
+        headline["throughput_ratio"] = round(
+            wavecore_top["tokens_per_s"] / reference["tokens_per_s"], 2
+        )
+        if 1 in peer_rows:
+            wavecore_one = next(
+                r for r in rows if r["system"] == "wavecore" and r["concurrency"] == 1
+            )
+            headline["batch1_itl_ratio"] = round(
+                peer_rows[1]["itl_p50_ms"] / wavecore_one["itl_p50_ms"], 2
+            )
+    print()
+    print_table(rows)
+    print(json.dumps(headline, indent=2))
+
+    result = {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpus": __import__("os").cpu_count(),
+        },
+        "workload": {
+            "prompts": count,
+            "prompt_tokens": [low, high],
+            "new_tokens": new_tokens,
+            "greedy": True,
+        },
+        "rows": rows,
+        "headline": headline,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    plot(rows, args.output.with_suffix(".png"))
+    print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

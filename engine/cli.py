@@ -1,0 +1,303 @@
+"""The `wavecore` command line: `wavecore generate` runs prompts through an engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, TextIO
+
+import anyio
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.table import Table
+
+from wavecore.engine.config import EngineConfig
+from wavecore.engine.demo_prompts import DEMO_PROMPTS
+from wavecore.engine.latency import RequestTimer, RunSummary
+from wavecore.engine.sampling_params import SamplingParams
+
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+class UsageError(Exception):
+    """A command-line input problem, reported as one line and exit status 2."""
+
+
+@dataclass(slots=True, kw_only=True)
+class PromptJob:
+    """One prompt of a run, and what came back for it."""
+
+    prompt: str | list[dict[str, str]]
+    params: SamplingParams
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    timer: RequestTimer | None = None
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": len(self.token_ids),
+        }
+
+
+def _sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    chosen = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": tuple(args.stop or ()),
+    }
+    return {name: value for name, value in chosen.items() if value is not None}
+
+
+def _parse_prompt_line(line: str, where: str, defaults: dict[str, Any], chat: bool) -> PromptJob:
+    """A line is plain text, or a JSON object with `prompt` or `messages` and sampling fields."""
+    if not line.lstrip().startswith("{"):
+        return PromptJob(prompt=_as_chat(line, chat), params=SamplingParams(**defaults))
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"{where}: not valid JSON ({error.msg})") from None
+    unknown = set(record) - _SAMPLING_FIELDS - {"prompt", "messages"}
+    if unknown:
+        raise UsageError(f"{where}: unknown field(s) {sorted(unknown)}")
+    if ("prompt" in record) == ("messages" in record):
+        raise UsageError(f"{where}: give exactly one of 'prompt' or 'messages'")
+    overrides = {k: v for k, v in record.items() if k in _SAMPLING_FIELDS}
+    try:
+        params = SamplingParams(**{**defaults, **overrides})
+    except (TypeError, ValueError) as error:
+        raise UsageError(f"{where}: {error}") from None
+    if "messages" in record:
+        return PromptJob(prompt=record["messages"], params=params)
+    return PromptJob(prompt=_as_chat(record["prompt"], chat), params=params)
+
+
+def _as_chat(text: str, chat: bool) -> str | list[dict[str, str]]:
+    return [{"role": "user", "content": text}] if chat else text
+
+
+def load_jobs(args: argparse.Namespace, stdin: TextIO) -> list[PromptJob]:
+    defaults = _sampling_from_args(args)
+    try:
+        SamplingParams(**defaults)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    jobs: list[PromptJob] = []
+    if args.demo:
+        jobs += [_parse_prompt_line(p, "demo", defaults, True) for p in DEMO_PROMPTS]
+    for text in args.prompt or ():
+        jobs.append(PromptJob(prompt=_as_chat(text, args.chat), params=SamplingParams(**defaults)))
+    if args.prompts_file is not None:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise UsageError(f"--prompts-file {path}: no such file")
+        lines = path.read_text(encoding="utf-8").splitlines()
+        jobs += [
+            _parse_prompt_line(line, f"{path}:{number}", defaults, args.chat)
+            for number, line in enumerate(lines, 1)
+            if line.strip()
+        ]
+    if not jobs and not stdin.isatty():
+        jobs += [
+            _parse_prompt_line(line, f"stdin:{number}", defaults, args.chat)
+            for number, line in enumerate(stdin, 1)
+            if line.strip()
+        ]
+    if not jobs:
+        raise UsageError("no prompts: give --prompt, --prompts-file, --demo, or lines on stdin")
+    return jobs
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    memory: int | float = args.kv_cache_memory
+    try:
+        return EngineConfig(
+            model=args.model,
+            executor=args.executor,
+            device=args.device,
+            kv_cache_memory=memory,
+            max_num_seqs=args.max_num_seqs,
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+async def _run_job(engine: Any, job: PromptJob, on_text: Any) -> None:
+    job.timer = RequestTimer()
+    async for delta in engine.generate(job.prompt, job.params):
+        job.timer.tokens_arrived(len(delta.token_ids))
+        job.text += delta.text
+        job.token_ids += delta.token_ids
+        job.prompt_tokens = delta.usage.prompt_tokens
+        job.finish_reason = delta.finish_reason
+        on_text(delta.text)
+
+
+async def run_generate(
+    args: argparse.Namespace, console: Console, jobs: list[PromptJob]
+) -> RunSummary:
+    from wavecore.engine.async_engine import open_engine
+
+    config = _engine_config(args)
+    loading = console.status("loading the engine...")
+    loading.start()
+    async with open_engine(config) as engine:
+        loading.stop()
+        start = time.perf_counter()
+        if len(jobs) == 1 and args.output is None:
+
+            def echo(text: str) -> None:
+                console.print(text, end="", markup=False, highlight=False)
+
+            await _run_job(engine, jobs[0], echo)
+            console.print()
+        else:
+            with Progress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            ) as progress:
+                task = progress.add_task("generating", total=len(jobs))
+
+                async def run_one(job: PromptJob) -> None:
+                    await _run_job(engine, job, lambda _text: None)
+                    progress.advance(task)
+
+                async with anyio.create_task_group() as tg:
+                    for job in jobs:
+                        tg.start_soon(run_one, job)
+        seconds = time.perf_counter() - start
+    return RunSummary.of(
+        [job.timer for job in jobs if job.timer is not None],
+        prompt_tokens=sum(job.prompt_tokens for job in jobs),
+        output_tokens=sum(len(job.token_ids) for job in jobs),
+        seconds=seconds,
+    )
+
+
+def summary_table(summary: RunSummary) -> Table:
+    table = Table(title="summary", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    ms = 1000.0
+    rows = [
+        ("requests", f"{summary.requests}"),
+        ("prompt tokens", f"{summary.prompt_tokens}"),
+        ("output tokens", f"{summary.output_tokens}"),
+        ("wall time", f"{summary.seconds:.2f} s"),
+        ("output tokens/s", f"{summary.output_tokens_per_s:.1f}"),
+        ("requests/s", f"{summary.requests_per_s:.2f}"),
+        (
+            "time to first token p50 / p99",
+            f"{summary.ttft_p50 * ms:.0f} / {summary.ttft_p99 * ms:.0f} ms",
+        ),
+        (
+            "inter-token latency p50 / p99",
+            f"{summary.itl_p50 * ms:.1f} / {summary.itl_p99 * ms:.1f} ms",
+        ),
+    ]
+    for what, value in rows:
+        table.add_row(what, value)
+    return table
+
+
+def _write_results(jobs: Sequence[PromptJob], output: str) -> None:
+    with open(output, "w", encoding="utf-8") as sink:
+        for job in jobs:
+            sink.write(json.dumps(job.result(), ensure_ascii=False) + "\n")
+
+
+def cmd_generate(args: argparse.Namespace, console: Console) -> int:
+    jobs = load_jobs(args, sys.stdin)
+    summary = anyio.run(run_generate, args, console, jobs, backend=args.backend)
+    if args.output is not None:
+        _write_results(jobs, args.output)
+        console.print(f"wrote {len(jobs)} results to {args.output}")
+    elif len(jobs) > 1:
+        for number, job in enumerate(jobs, 1):
+            question = job.prompt if isinstance(job.prompt, str) else job.prompt[-1]["content"]
+            console.rule(f"[bold]{number}. {question}", align="left")
+            console.print(job.text.strip(), markup=False, highlight=False)
+            console.print(f"[dim]({len(job.token_ids)} tokens, {job.finish_reason})")
+    console.print(summary_table(summary))
+    return 0
+
+
+def _memory(text: str) -> int | float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    return value if 0 < value <= 1 else int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wavecore", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="run prompts through an engine")
+    source = gen.add_argument_group("prompts")
+    source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    source.add_argument(
+        "--prompts-file", help="one prompt per line, or JSONL with per-prompt fields"
+    )
+    source.add_argument("--demo", action="store_true", help="the built-in set of 16 chat prompts")
+    source.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--output", help="write results as JSONL, one object per prompt, in order")
+    engine = gen.add_argument_group("engine")
+    engine.add_argument(
+        "--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)"
+    )
+    engine.add_argument("--executor", choices=["model", "null"], default="model")
+    engine.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument(
+        "--kv-cache-memory",
+        type=_memory,
+        default=512 * 2**20,
+        help="bytes, or a fraction in (0, 1]",
+    )
+    engine.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int)
+    sampling.add_argument("--temperature", type=float)
+    sampling.add_argument("--top-p", type=float)
+    sampling.add_argument("--top-k", type=int)
+    sampling.add_argument("--seed", type=int)
+    sampling.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=False)
+    if args.command == "generate" and args.demo:
+        # The demo is greedy and answers briefly unless told otherwise.
+        args.chat = True
+        args.temperature = 0.0 if args.temperature is None else args.temperature
+        args.max_tokens = 96 if args.max_tokens is None else args.max_tokens
+    try:
+        return cmd_generate(args, console)
+    except UsageError as error:
+        console.print(f"[red]wavecore generate: {error}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The engine's exceptions. Each names what was wrong, so callers can act on it."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request was refused before it was accepted; nothing else was affected."""
+
+
+class EmptyPromptError(InvalidRequestError):
+    pass
+
+
+class PromptTooLongError(InvalidRequestError):
+    pass
+
+
+class DuplicateRequestError(InvalidRequestError):
+    pass
+
+
+class UnknownRequestError(EngineError, KeyError):
+    """An abort (or query) named a request the engine does not hold."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its argument; a sentence reads better.
+        return str(self.args[0]) if self.args else ""
+
+
+class PauseInProgressError(EngineError):
+    """Resume, sleep or a second pause arrived while a pause is still completing."""
+
+
+class EngineDeadError(EngineError):
+    """The engine stopped after a failure; every later call raises this at once."""
+
+
+class EngineClosedError(EngineError):
+    """The engine's `async with` block has ended; it takes no more calls."""

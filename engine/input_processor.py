@@ -1,0 +1,90 @@
+"""Turns what a caller passes to `generate` into a validated `EngineRequest`.
+
+Every check happens here, on the caller's own call, so a bad request raises there and
+never reaches the engine loop or disturbs the requests already in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from wavecore.engine.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
+from wavecore.engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
+
+
+class PromptTokenizer(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: PromptTokenizer, *, max_model_len: int) -> None:
+        self._tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def prepare(self, request_id: str, prompt: Prompt, params: SamplingParams) -> EngineRequest:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"params must be a SamplingParams, got {type(params).__name__}"
+            )
+        token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise EmptyPromptError(f"request {request_id!r}: the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"request {request_id!r}: the prompt has {len(token_ids)} tokens, but the "
+                f"model's context is {self.max_model_len} tokens (at least one must be left "
+                f"for the output)"
+            )
+        return EngineRequest(request_id=request_id, prompt_token_ids=token_ids, params=params)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        if isinstance(prompt, str):
+            return tuple(self._tokenizer.encode(prompt)) if prompt else ()
+        if not isinstance(prompt, Sequence):
+            raise InvalidRequestError(
+                f"a prompt is text, a list of chat messages or a list of token ids, "
+                f"got {type(prompt).__name__}"
+            )
+        if all(isinstance(item, Mapping) for item in prompt) and prompt:
+            return tuple(self._tokenize_chat(prompt))  # type: ignore[arg-type]
+        return self._check_token_ids(prompt)
+
+    def _tokenize_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        for number, message in enumerate(messages):
+            role, content = message.get("role"), message.get("content")
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise InvalidRequestError(
+                    f"chat message {number} needs string 'role' and 'content', got {dict(message)!r}"
+                )
+        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # The template already wrote the special tokens it wants.
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_token_ids(self, prompt: Sequence[object]) -> tuple[int, ...]:
+        vocab = self._tokenizer.vocab_size
+        for position, token in enumerate(prompt):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise InvalidRequestError(
+                    f"prompt token {position} is {token!r}; token ids are ints in [0, {vocab})"
+                )
+        return tuple(prompt)  # type: ignore[arg-type]

@@ -1,0 +1,117 @@
+"""Attention that reads keys and values through block tables.
+
+A forward pass's tokens are ordered decodes first (one token per sequence), then each
+prefill chunk's tokens. The two kinds are computed differently, because their costs
+differ:
+
+- Decodes are batched into one computation: every sequence's blocks are gathered
+  into a `[sequences, max_blocks * block_size]` key/value tensor (short tables padded
+  with the scratch block), and an additive mask hides the padding and any slot past
+  the sequence's length. One gather, two batched matmuls, one softmax: no loop.
+- Each prefill chunk gathers its own blocks and runs fused scaled-dot-product
+  attention with a causal mask offset by its start position (query `i` sits at
+  position `start + i` and sees keys `0..start + i`). The loop is over sequences,
+  never tokens; a chunk already carries enough work to amortize the call, and
+  batching chunks of different lengths would pad to the longest.
+
+Grouped-query attention is handled by viewing the query heads as
+`[kv_heads, group]`, so keys and values are never repeated in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecodeAttention:
+    """The first `num_tokens` tokens: one decode each, batched."""
+
+    num_tokens: int
+    block_tables: torch.Tensor  # [num_tokens, max_blocks] int64, padded with the scratch block
+    mask: torch.Tensor  # [num_tokens, 1, 1, max_blocks * block_size], 0 or -inf
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillAttention:
+    """One prefill chunk: tokens `[token_start, token_start + num_tokens)` of the pass."""
+
+    token_start: int
+    num_tokens: int
+    context_len: int  # start_pos + num_tokens
+    block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool; None: plain causal from 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionPlan:
+    decode: DecodeAttention | None
+    prefills: tuple[PrefillAttention, ...]
+
+
+def paged_attention(
+    queries: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
+    """`queries` `[tokens, heads, head_dim]` -> outputs of the same shape.
+
+    The pools must already hold this pass's keys and values.
+    """
+    out = torch.empty_like(queries)
+    if plan.decode is not None:
+        decode = plan.decode
+        out[: decode.num_tokens] = _decode(
+            queries[: decode.num_tokens], key_pool, value_pool, decode, scale
+        )
+    for prefill in plan.prefills:
+        rows = slice(prefill.token_start, prefill.token_start + prefill.num_tokens)
+        out[rows] = _prefill(queries[rows], key_pool, value_pool, prefill, scale)
+    return out
+
+
+def _decode(
+    queries: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    decode: DecodeAttention,
+    scale: float,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = queries.shape
+    kv_heads = key_pool.shape[2]
+    # [seqs, blocks, block_size, kv, d] -> [seqs, kv, slots, d]
+    keys = key_pool[decode.block_tables].flatten(1, 2).transpose(1, 2)
+    values = value_pool[decode.block_tables].flatten(1, 2).transpose(1, 2)
+    grouped = queries.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.matmul(grouped, keys.transpose(2, 3))
+    scores.mul_(scale).add_(decode.mask)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
+
+
+def _prefill(
+    queries: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    prefill: PrefillAttention,
+    scale: float,
+) -> torch.Tensor:
+    kv_heads, head_dim = key_pool.shape[2], key_pool.shape[3]
+    context = prefill.context_len
+    keys = key_pool[prefill.block_ids].view(-1, kv_heads, head_dim)[:context]
+    values = value_pool[prefill.block_ids].view(-1, kv_heads, head_dim)[:context]
+    out = F.scaled_dot_product_attention(
+        queries.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=prefill.mask,
+        is_causal=prefill.mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(0).transpose(0, 1)

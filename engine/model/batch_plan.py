@@ -1,0 +1,172 @@
+"""From a `ModelBatch` to the tensors of one forward pass, after checking the batch.
+
+Every check happens here, before the forward pass writes a single KV slot, so a bad
+batch is refused whole (`InvalidBatchError`) and leaves the cache as it was.
+
+Tokens are reordered: the batch's single-token chunks (decodes) first, in batch
+order, then the prefill chunks' tokens. Only attention cares about the order (see
+`attention.py`); `sample_rows` maps each sampling chunk, in batch order, to the row
+of its last token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from wavecore.engine.batch import SequenceChunk
+from wavecore.engine.model.attention import AttentionPlan, DecodeAttention, PrefillAttention
+from wavecore.engine.model.errors import InvalidBatchError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardPlan:
+    token_ids: torch.Tensor  # [tokens] int64
+    positions: torch.Tensor  # [tokens] int64
+    slot_mapping: torch.Tensor  # [tokens] int64, flat KV slot each token is written to
+    sample_rows: torch.Tensor  # [sampling chunks] int64
+    attention: AttentionPlan
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheGeometry:
+    block_size: int
+    num_blocks: int  # usable blocks; `num_blocks` itself is the scratch block
+    max_model_len: int
+    vocab_size: int
+
+
+def _blocks_needed(length: int, block_size: int) -> int:
+    return -(-length // block_size)
+
+
+def check_chunk(chunk: SequenceChunk, geometry: CacheGeometry) -> None:
+    name = f"chunk of request {chunk.request_id!r}"
+    count = len(chunk.token_ids)
+    if count == 0:
+        raise InvalidBatchError(f"{name} has no tokens")
+    start = chunk.start_pos
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise InvalidBatchError(f"{name} has invalid start_pos {start!r}")
+    end = start + count
+    if end > geometry.max_model_len:
+        raise InvalidBatchError(
+            f"{name} reaches position {end}, past max_model_len {geometry.max_model_len}"
+        )
+    needed = _blocks_needed(end, geometry.block_size)
+    if len(chunk.block_table) < needed:
+        raise InvalidBatchError(
+            f"{name} needs {needed} blocks for {end} positions, its block table has "
+            f"{len(chunk.block_table)}"
+        )
+    used = chunk.block_table[:needed]
+    if min(used) < 0 or max(used) >= geometry.num_blocks:
+        raise InvalidBatchError(
+            f"{name} names a block outside [0, {geometry.num_blocks}): {list(used)}"
+        )
+    if min(chunk.token_ids) < 0 or max(chunk.token_ids) >= geometry.vocab_size:
+        raise InvalidBatchError(f"{name} has a token id outside [0, {geometry.vocab_size})")
+
+
+def plan_forward(
+    chunks: Sequence[SequenceChunk], geometry: CacheGeometry, device: torch.device
+) -> ForwardPlan:
+    seen: set[str] = set()
+    for chunk in chunks:
+        check_chunk(chunk, geometry)
+        if chunk.request_id in seen:
+            raise InvalidBatchError(f"request {chunk.request_id!r} has two chunks in one batch")
+        seen.add(chunk.request_id)
+
+    block_size = geometry.block_size
+    decodes = [c for c in chunks if len(c.token_ids) == 1]
+    prefills = [c for c in chunks if len(c.token_ids) > 1]
+
+    token_ids: list[int] = []
+    positions: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    last_row: dict[str, int] = {}
+
+    decode_plan = None
+    if decodes:
+        decode_positions = [c.start_pos for c in decodes]
+        token_ids.extend(c.token_ids[0] for c in decodes)
+        positions.append(np.asarray(decode_positions, dtype=np.int64))
+        slots.append(
+            np.asarray(
+                [
+                    c.block_table[p // block_size] * block_size + p % block_size
+                    for c, p in zip(decodes, decode_positions, strict=True)
+                ],
+                dtype=np.int64,
+            )
+        )
+        for row, chunk in enumerate(decodes):
+            last_row[chunk.request_id] = row
+        decode_plan = _decode_plan(decodes, geometry, device)
+
+    prefill_plans = []
+    row = len(decodes)
+    for chunk in prefills:
+        count = len(chunk.token_ids)
+        start = chunk.start_pos
+        context = start + count
+        table = np.asarray(chunk.block_table[: _blocks_needed(context, block_size)], dtype=np.int64)
+        chunk_positions = np.arange(start, context, dtype=np.int64)
+        token_ids.extend(chunk.token_ids)
+        positions.append(chunk_positions)
+        slots.append(
+            table[chunk_positions // block_size] * block_size + chunk_positions % block_size
+        )
+        mask = None
+        if start > 0:
+            mask = torch.ones(count, context, dtype=torch.bool, device=device).tril_(diagonal=start)
+        prefill_plans.append(
+            PrefillAttention(
+                token_start=row,
+                num_tokens=count,
+                context_len=context,
+                block_ids=torch.from_numpy(table).to(device),
+                mask=mask,
+            )
+        )
+        row += count
+        last_row[chunk.request_id] = row - 1
+
+    sample_rows = [last_row[c.request_id] for c in chunks if c.sample]
+    return ForwardPlan(
+        token_ids=torch.tensor(token_ids, dtype=torch.int64).to(device),
+        positions=torch.from_numpy(np.concatenate(positions)).to(device),
+        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+        sample_rows=torch.tensor(sample_rows, dtype=torch.int64).to(device),
+        attention=AttentionPlan(decode=decode_plan, prefills=tuple(prefill_plans)),
+    )
+
+
+def _decode_plan(
+    decodes: Sequence[SequenceChunk], geometry: CacheGeometry, device: torch.device
+) -> DecodeAttention:
+    block_size = geometry.block_size
+    lengths = [c.start_pos + 1 for c in decodes]
+    max_blocks = _blocks_needed(max(lengths), block_size)
+    scratch = geometry.num_blocks
+    tables = [
+        [*c.block_table[: _blocks_needed(n, block_size)], *([scratch] * max_blocks)][:max_blocks]
+        for c, n in zip(decodes, lengths, strict=True)
+    ]
+    slots = torch.arange(max_blocks * block_size, device=device)
+    lengths_tensor = torch.tensor(lengths, dtype=torch.int64).to(device)
+    visible = slots[None, :] < lengths_tensor[:, None]
+    mask = torch.zeros(visible.shape, dtype=torch.float32, device=device)
+    mask.masked_fill_(~visible, float("-inf"))
+    return DecodeAttention(
+        num_tokens=len(decodes),
+        block_tables=torch.tensor(tables, dtype=torch.int64).to(device),
+        mask=mask[:, None, None, :],
+    )

@@ -1,0 +1,302 @@
+"""`ModelExecutor`: the engine's `Executor` backed by a real Llama-family model.
+
+Construction resolves the model, dequantizes its weights onto the device, sizes the
+paged KV cache from a memory budget and precomputes the rotary table. Each
+`execute` plans the batch (checking it first), runs one forward pass for all its
+chunks, and hands the sampling rows' logits to the `Sampler`.
+
+Sleep levels: 1 moves the weights to CPU memory and frees the KV cache; 2 frees both,
+and waking reloads the weights from the model file. Every method runs on the engine's
+model thread; `torch.inference_mode` is entered per call because it is thread-local.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import torch
+from wavecore.engine.batch import ModelBatch, ModelOutput, SampledToken, SequenceChunk
+from wavecore.engine.model.batch_plan import CacheGeometry, plan_forward
+from wavecore.engine.model.config import ModelConfig
+from wavecore.engine.model.errors import ExecutorAsleepError, ExecutorClosedError
+from wavecore.engine.model.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
+from wavecore.engine.model.llama import LlamaModel
+from wavecore.engine.model.resolve import resolve_model_source
+from wavecore.engine.model.rope import RotaryTable
+from wavecore.engine.model.source import ModelSource
+from wavecore.engine.model.weights import ModelWeights
+from wavecore.engine.sampling_params import SamplingParams
+
+DeviceSpec = Literal["cpu", "cuda", "auto"] | str | torch.device
+DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
+WAKE_TAGS = frozenset({"weights", "kv_cache"})
+
+
+class TokenSampler(Protocol):
+    def sample(
+        self, logits: torch.Tensor, chunks: Sequence[SequenceChunk]
+    ) -> tuple[SampledToken, ...]: ...
+
+
+def pick_device(device: DeviceSpec) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
+    return resolved
+
+
+def pick_dtype(device: torch.device) -> torch.dtype:
+    # Reduced precision is hundreds of times slower on CPUs without native support.
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def _use_all_cores() -> None:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and torch.get_num_threads() < cores:
+        torch.set_num_threads(cores)
+
+
+class ModelExecutor:
+    def __init__(
+        self,
+        source: ModelSource,
+        *,
+        device: DeviceSpec = "auto",
+        kv_cache_memory: int | float = DEFAULT_KV_CACHE_MEMORY,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        sampler: TokenSampler | None = None,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self._source = source
+        self._device = pick_device(device)
+        self._dtype = pick_dtype(self._device)
+        if self._device.type == "cpu":
+            _use_all_cores()
+        config = source.config
+        self._block_size = block_size
+        self._num_blocks = blocks_for_budget(
+            kv_cache_memory, bytes_per_block(config, block_size, self._dtype), self._device
+        )
+        limit = config.context_length
+        if max_model_len is not None:
+            if (
+                isinstance(max_model_len, bool)
+                or not isinstance(max_model_len, int)
+                or max_model_len < 1
+            ):
+                raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+            if max_model_len > limit:
+                raise ValueError(
+                    f"max_model_len {max_model_len} exceeds the model's context length {limit}"
+                )
+            limit = max_model_len
+        # A sequence longer than the whole cache could never be scheduled.
+        self._max_model_len = min(limit, self._num_blocks * block_size)
+
+        weights = self._load_weights(self._device)
+        self._rotary = RotaryTable(
+            config,
+            self._max_model_len,
+            rope_freqs=weights.rope_freqs,
+            device=self._device,
+            dtype=self._dtype,
+        )
+        self._model: LlamaModel | None = LlamaModel(config, weights, self._rotary)
+        self._offloaded: ModelWeights | None = None
+        self._cache: PagedKVCache | None = self._new_cache()
+        if sampler is None:
+            from wavecore.engine.sampling.sampler import Sampler
+
+            sampler = Sampler(source.eos_token_id, seed=seed)
+        self._sampler = sampler
+        self._closed = False
+
+    # -- what the engine reads --------------------------------------------------------
+
+    @property
+    def source(self) -> ModelSource:
+        """The resolved model: GGUF metadata for the tokenizer, EOS id, chat template."""
+        return self._source
+
+    @property
+    def config(self) -> ModelConfig:
+        return self._source.config
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    # -- running ----------------------------------------------------------------------
+
+    def execute(self, batch: ModelBatch) -> ModelOutput:
+        sampling = [chunk for chunk in batch.chunks if chunk.sample]
+        logits = self.compute_logits(batch)
+        if not sampling:
+            return ModelOutput(sampled=())
+        with torch.inference_mode():
+            return ModelOutput(sampled=tuple(self._sampler.sample(logits, sampling)))
+
+    def compute_logits(self, batch: ModelBatch) -> torch.Tensor:
+        """One forward pass; float32 logits `[sampling chunks, vocab]` in batch order."""
+        model, cache = self._ready()
+        geometry = CacheGeometry(
+            block_size=self._block_size,
+            num_blocks=self._num_blocks,
+            max_model_len=self._max_model_len,
+            vocab_size=self.config.vocab_size,
+        )
+        with torch.inference_mode():
+            plan = plan_forward(batch.chunks, geometry, self._device)
+            if plan.num_tokens == 0:
+                return torch.empty(0, self.config.vocab_size)
+            return model.forward(plan, cache)
+
+    def execute_dummy(self) -> None:
+        model, cache = self._ready()
+        # Geometry that admits the scratch block, which only this pass may name.
+        geometry = CacheGeometry(
+            block_size=self._block_size,
+            num_blocks=self._num_blocks + 1,
+            max_model_len=self._block_size,
+            vocab_size=self.config.vocab_size,
+        )
+        chunk = SequenceChunk(
+            request_id="wavecore-dummy",
+            token_ids=(0,),
+            start_pos=0,
+            block_table=(cache.scratch_block,),
+            sample=False,
+            sampling=SamplingParams(),
+            all_token_ids=(0,),
+            prompt_len=1,
+        )
+        with torch.inference_mode():
+            model.forward(plan_forward((chunk,), geometry, self._device), cache)
+
+    # -- memory -----------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        self._check_open()
+        self._cache = None
+        if self._model is not None:
+            if level == 1 and self._device.type != "cpu":
+                self._offloaded = self._model.weights.to(torch.device("cpu"))
+            elif level == 1:
+                self._offloaded = self._model.weights  # already in CPU memory
+            self._model = None
+        if level == 2:
+            self._offloaded = None
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: frozenset[str]) -> None:
+        self._check_open()
+        unknown = set(tags) - WAKE_TAGS
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; known: {sorted(WAKE_TAGS)}")
+        if "weights" in tags and self._model is None:
+            if self._offloaded is not None:
+                weights = self._offloaded.to(self._device)
+            else:
+                weights = self._load_weights(self._device)
+            self._offloaded = None
+            self._model = LlamaModel(self.config, weights, self._rotary)
+        if "kv_cache" in tags and self._cache is None:
+            self._cache = self._new_cache()
+
+    def reset_kv_cache(self) -> None:
+        self._check_open()
+        if self._cache is not None:
+            self._cache.clear()
+
+    def close(self) -> None:
+        self._model = None
+        self._offloaded = None
+        self._cache = None
+        self._closed = True
+
+    # -- internals --------------------------------------------------------------------
+
+    def _load_weights(self, device: torch.device) -> ModelWeights:
+        return ModelWeights.build(
+            self.config,
+            self._source.load_tensors(),
+            origin=self._source.path,
+            device=device,
+            dtype=self._dtype,
+        )
+
+    def _new_cache(self) -> PagedKVCache:
+        return PagedKVCache(
+            self.config,
+            num_blocks=self._num_blocks,
+            block_size=self._block_size,
+            device=self._device,
+            dtype=self._dtype,
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ExecutorClosedError("the model executor is closed")
+
+    def _ready(self) -> tuple[LlamaModel, PagedKVCache]:
+        self._check_open()
+        if self._model is None or self._cache is None:
+            missing = [
+                n for n, v in (("weights", self._model), ("kv_cache", self._cache)) if v is None
+            ]
+            raise ExecutorAsleepError(
+                f"the model executor is asleep ({', '.join(missing)} released); call wake_up first"
+            )
+        return self._model, self._cache
+
+
+def load_executor(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    device: DeviceSpec = "auto",
+    kv_cache_memory: int | float = DEFAULT_KV_CACHE_MEMORY,
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    sampler: TokenSampler | None = None,
+    seed: int = 0,
+) -> ModelExecutor:
+    """Resolve `model` (None: the default SmolLM2 GGUF) and build its executor."""
+    return ModelExecutor(
+        resolve_model_source(model),
+        device=device,
+        kv_cache_memory=kv_cache_memory,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        sampler=sampler,
+        seed=seed,
+    )

@@ -1,0 +1,70 @@
+"""Rotary position embedding: one precomputed cos/sin table, read by position.
+
+Angles are computed exactly as Hugging Face Llama does (float32 inverse frequencies
+times float32 positions), in the half-split layout, so logits agree with the
+reference to float32 rounding. Llama 3 frequency scaling comes either from the config
+(`rope_scaling == "llama3"`) or, in GGUF files, as a tensor of per-frequency divisors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from wavecore.engine.model.config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig, rope_freqs: torch.Tensor | None) -> torch.Tensor:
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    if rope_freqs is not None:
+        inv_freq = inv_freq / rope_freqs.to(torch.float32)
+    if config.rope_scaling == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, config)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    factor = config.rope_scaling_factor
+    low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    original = config.rope_original_context_length
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(in_band, blended, scaled)
+
+
+class RotaryTable:
+    """cos and sin of every (position, frequency) up to `max_positions`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        *,
+        rope_freqs: torch.Tensor | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        inv_freq = inverse_frequencies(config, rope_freqs)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        if config.rope_scaling == "linear":
+            positions = positions / config.rope_scaling_factor
+        angles = positions[:, None] * inv_freq[None, :]
+        self.cos = angles.cos().to(device=device, dtype=dtype)
+        self.sin = angles.sin().to(device=device, dtype=dtype)
+        self.half = config.head_dim // 2
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate `x` `[tokens, heads, head_dim]` by each token's position; returns a new tensor."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        first, second = x[..., : self.half], x[..., self.half :]
+        rotated = torch.empty_like(x)
+        torch.sub(first * cos, second * sin, out=rotated[..., : self.half])
+        torch.add(second * cos, first * sin, out=rotated[..., self.half :])
+        return rotated

@@ -1,0 +1,226 @@
+"""An `Executor` that runs no model: deterministic tokens at (almost) no cost.
+
+It lets the scheduler, the engine loop and the benchmarks run without weights. The
+token sampled after a chunk depends only on the chunk's last token and the position
+of the new token, `next = (last * 1000003 + position * 7919 + 1) % vocab_size`
+(moved one up if it hits `eos_token_id`), so a request's output does not depend on
+its batch, its chunking or any preemption, and tests can recompute it.
+EOS is emitted only when asked: with `eos_at_output=k`, every request's k-th output
+token (0-based) is `eos_token_id`.
+
+With `track_kv=True` the executor also keeps a shadow KV cache: each block slot
+records the token whose KV would be there. Every chunk first checks that its block
+table already holds the request's earlier tokens (which catches a wrong prefix-cache
+hit, a block shared or freed too early, a bad block table), then writes its own.
+
+Sleep levels and wake tags follow the `Executor` protocol; running a batch while the
+weights or the KV cache are asleep raises `ExecutorAsleepError`, and anything after
+`close()` raises `ExecutorClosedError`.
+"""
+
+from __future__ import annotations
+
+from wavecore.engine.batch import ModelBatch, ModelOutput, SequenceChunk
+from wavecore.engine.scheduler.fast_build import build_sampled
+
+WAKE_TAGS = frozenset({"weights", "kv_cache"})
+
+
+class ExecutorAsleepError(RuntimeError):
+    """A forward pass was asked for while the weights or the KV cache are asleep."""
+
+
+class ExecutorClosedError(RuntimeError):
+    """The executor was used after `close()`."""
+
+
+class KVCacheMismatchError(RuntimeError):
+    """A chunk's block table does not hold the tokens its request claims (track_kv)."""
+
+
+def _check_int(name: str, value: object, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"NullExecutor {name} must be an int >= {low}, got {value!r}")
+
+
+def null_next_token(last_token: int, position: int, vocab_size: int) -> int:
+    """The token the NullExecutor samples at `position` after `last_token`, before EOS rules."""
+    return (last_token * 1000003 + position * 7919 + 1) % vocab_size
+
+
+class NullExecutor:
+    """A model-free `Executor`; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        num_kv_blocks: int,
+        block_size: int = 16,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_id: int | None = None,
+        eos_at_output: int | None = None,
+        track_kv: bool = False,
+    ) -> None:
+        _check_int("num_kv_blocks", num_kv_blocks, low=1)
+        _check_int("block_size", block_size, low=1)
+        _check_int("max_model_len", max_model_len, low=1)
+        _check_int("vocab_size", vocab_size, low=2)
+        if eos_token_id is not None:
+            _check_int("eos_token_id", eos_token_id, low=0)
+            if eos_token_id >= vocab_size:
+                raise ValueError(
+                    f"NullExecutor eos_token_id {eos_token_id} is outside the vocabulary "
+                    f"of {vocab_size}"
+                )
+        if eos_at_output is not None:
+            _check_int("eos_at_output", eos_at_output, low=0)
+            if eos_token_id is None:
+                raise ValueError("NullExecutor eos_at_output needs an eos_token_id")
+        self._num_kv_blocks = num_kv_blocks
+        self._block_size = block_size
+        self._max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.eos_at_output = eos_at_output
+        self.track_kv = track_kv
+        self._weights_awake = True
+        self._kv_awake = True
+        self._closed = False
+        self._kv: list[list[int | None]] = self._empty_kv()
+        self.num_steps = 0
+        self.num_dummy_steps = 0
+        self.num_tokens = 0
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def is_asleep(self) -> bool:
+        return not (self._weights_awake and self._kv_awake)
+
+    def next_token(self, chunk: SequenceChunk) -> int:
+        """The token this executor samples after `chunk` (which must sample)."""
+        if self.eos_at_output is not None and chunk.num_output_tokens == self.eos_at_output:
+            return self.eos_token_id  # type: ignore[return-value]
+        token_ids = chunk.token_ids
+        token = null_next_token(token_ids[-1], chunk.start_pos + len(token_ids), self.vocab_size)
+        if token == self.eos_token_id:
+            token = (token + 1) % self.vocab_size
+        return token
+
+    def execute(self, batch: ModelBatch) -> ModelOutput:
+        self._check_awake("execute")
+        block_size = self._block_size
+        vocab_size = self.vocab_size
+        eos = self.eos_token_id
+        plain = self.eos_at_output is None
+        track_kv = self.track_kv
+        sampled = []
+        num_tokens = 0
+        for chunk in batch.chunks:
+            token_ids = chunk.token_ids
+            count = len(token_ids)
+            position = chunk.start_pos + count
+            num_tokens += count
+            if len(chunk.block_table) * block_size < position:
+                raise ValueError(
+                    f"request {chunk.request_id!r}: block table of {len(chunk.block_table)} "
+                    f"blocks does not cover position {position - 1}"
+                )
+            if track_kv:
+                self._check_and_write_kv(chunk)
+            if chunk.sample:
+                if plain:
+                    token = (token_ids[-1] * 1000003 + position * 7919 + 1) % vocab_size
+                    if token == eos:
+                        token = (token + 1) % vocab_size
+                else:
+                    token = self.next_token(chunk)
+                sampled.append(build_sampled(chunk.request_id, token))
+        self.num_steps += 1
+        self.num_tokens += num_tokens
+        return ModelOutput(sampled=tuple(sampled))
+
+    def execute_dummy(self) -> None:
+        self._check_awake("execute_dummy")
+        self.num_dummy_steps += 1
+
+    def sleep(self, level: int) -> None:
+        self._check_open("sleep")
+        if level not in (1, 2) or isinstance(level, bool):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        # Level 1 would keep the weights in host memory and level 2 discard them; with
+        # no weights both amount to the same flags.
+        self._weights_awake = False
+        self._kv_awake = False
+        self._kv = []
+
+    def wake_up(self, tags: frozenset[str]) -> None:
+        self._check_open("wake_up")
+        unknown = set(tags) - WAKE_TAGS
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; known: {sorted(WAKE_TAGS)}")
+        if "weights" in tags:
+            self._weights_awake = True
+        if "kv_cache" in tags and not self._kv_awake:
+            self._kv_awake = True
+            self._kv = self._empty_kv()
+
+    def reset_kv_cache(self) -> None:
+        self._check_open("reset_kv_cache")
+        if self._kv_awake:
+            self._kv = self._empty_kv()
+
+    def close(self) -> None:
+        self._closed = True
+        self._kv = []
+
+    def _empty_kv(self) -> list[list[int | None]]:
+        if not self.track_kv:
+            return []
+        return [[None] * self._block_size for _ in range(self._num_kv_blocks)]
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ExecutorClosedError(f"NullExecutor.{what}() after close()")
+
+    def _check_awake(self, what: str) -> None:
+        self._check_open(what)
+        if self.is_asleep:
+            asleep = [
+                name
+                for name, awake in (("weights", self._weights_awake), ("kv_cache", self._kv_awake))
+                if not awake
+            ]
+            raise ExecutorAsleepError(f"NullExecutor.{what}() while asleep: {', '.join(asleep)}")
+
+    def _check_and_write_kv(self, chunk: SequenceChunk) -> None:
+        size = self._block_size
+        kv = self._kv
+        table = chunk.block_table
+        history = chunk.all_token_ids
+        for position in range(chunk.start_pos):
+            held = kv[table[position // size]][position % size]
+            if held != history[position]:
+                raise KVCacheMismatchError(
+                    f"request {chunk.request_id!r}: position {position} holds token {held} "
+                    f"in block {table[position // size]}, expected {history[position]}"
+                )
+        for offset, token in enumerate(chunk.token_ids):
+            position = chunk.start_pos + offset
+            if token != history[position]:
+                raise KVCacheMismatchError(
+                    f"request {chunk.request_id!r}: chunk token {token} at position {position} "
+                    f"is not the request's token {history[position]}"
+                )
+            kv[table[position // size]][position % size] = token

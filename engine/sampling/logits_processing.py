@@ -1,0 +1,118 @@
+"""Per-request edits to raw logits before temperature: penalties and `min_tokens`.
+
+Each function edits a float32 `[n, vocab]` tensor in place, row `i` belonging to
+`chunks[i]`, and touches only the rows whose requests ask for the edit. History is
+turned into tensors once per call by flattening every such row's token list into one
+index tensor, so the work is a handful of vectorized ops whatever the batch size.
+
+Semantics follow the conventions clients expect:
+- repetition penalty (Hugging Face): over prompt and output tokens, a positive logit
+  is divided by the penalty and a negative one multiplied by it;
+- presence and frequency penalties (OpenAI): over output tokens only,
+  `logit -= frequency * count + presence * (count > 0)`;
+- `min_tokens`: until a request has that many outputs, its stop tokens (EOS unless
+  `ignore_eos`, plus `stop_token_ids`) get `-inf` so they cannot be chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
+
+import torch
+from wavecore.engine.batch import SequenceChunk
+
+
+def _history_indices(
+    histories: Sequence[Sequence[int]],
+    request_ids: Sequence[str],
+    vocab_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) index tensors covering every token of every history."""
+    lengths = torch.tensor([len(h) for h in histories], dtype=torch.long)
+    tokens = torch.tensor(list(chain.from_iterable(histories)), dtype=torch.long)
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        # Only the error path pays for finding the culprit.
+        for request_id, history in zip(request_ids, histories, strict=True):
+            bad = [t for t in history if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"request {request_id!r} has token id {bad[0]} outside the logits' "
+                    f"vocabulary of {vocab_size}"
+                )
+    rows = torch.repeat_interleave(torch.arange(len(histories)), lengths)
+    return rows.to(device), tokens.to(device)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, chunks: Sequence[SequenceChunk]) -> None:
+    selected = [i for i, c in enumerate(chunks) if c.sampling.repetition_penalty != 1.0]
+    if not selected:
+        return
+    device = logits.device
+    picked = [chunks[i] for i in selected]
+    rows, tokens = _history_indices(
+        [c.all_token_ids for c in picked], [c.request_id for c in picked], logits.shape[1], device
+    )
+    seen = torch.zeros((len(selected), logits.shape[1]), dtype=torch.bool, device=device)
+    seen[rows, tokens] = True
+    penalty = torch.tensor(
+        [c.sampling.repetition_penalty for c in picked], dtype=logits.dtype, device=device
+    ).unsqueeze(1)
+    index = torch.tensor(selected, dtype=torch.long, device=device)
+    current = logits[index]
+    penalized = torch.where(current > 0, current / penalty, current * penalty)
+    logits[index] = torch.where(seen, penalized, current)
+
+
+def apply_output_penalties(logits: torch.Tensor, chunks: Sequence[SequenceChunk]) -> None:
+    selected = [
+        i
+        for i, c in enumerate(chunks)
+        if (c.sampling.presence_penalty != 0.0 or c.sampling.frequency_penalty != 0.0)
+        and c.num_output_tokens > 0
+    ]
+    if not selected:
+        return
+    device = logits.device
+    picked = [chunks[i] for i in selected]
+    outputs = [c.all_token_ids[c.prompt_len :] for c in picked]
+    rows, tokens = _history_indices(
+        outputs, [c.request_id for c in picked], logits.shape[1], device
+    )
+    counts = torch.zeros((len(selected), logits.shape[1]), dtype=logits.dtype, device=device)
+    counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=logits.dtype), accumulate=True)
+    frequency = torch.tensor(
+        [c.sampling.frequency_penalty for c in picked], dtype=logits.dtype, device=device
+    ).unsqueeze(1)
+    presence = torch.tensor(
+        [c.sampling.presence_penalty for c in picked], dtype=logits.dtype, device=device
+    ).unsqueeze(1)
+    index = torch.tensor(selected, dtype=torch.long, device=device)
+    logits[index] -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+
+
+def stop_tokens_before_min(chunk: SequenceChunk, eos_token_id: int | None) -> set[int]:
+    """The token ids `chunk` may not sample yet because of `min_tokens`."""
+    if chunk.num_output_tokens >= chunk.sampling.min_tokens:
+        return set()
+    banned = set(chunk.sampling.stop_token_ids)
+    if eos_token_id is not None and not chunk.sampling.ignore_eos:
+        banned.add(eos_token_id)
+    return banned
+
+
+def mask_stop_tokens_before_min(
+    logits: torch.Tensor, chunks: Sequence[SequenceChunk], eos_token_id: int | None
+) -> None:
+    rows: list[int] = []
+    columns: list[int] = []
+    vocab_size = logits.shape[1]
+    for i, chunk in enumerate(chunks):
+        for token in stop_tokens_before_min(chunk, eos_token_id):
+            # A stop id beyond the logits can never be sampled, so there is nothing to mask.
+            if token < vocab_size:
+                rows.append(i)
+                columns.append(token)
+    if rows:
+        logits[rows, columns] = float("-inf")

@@ -1,0 +1,80 @@
+"""What the scheduler hands back: the step to run, per-request results, statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from wavecore.engine.batch import ModelBatch, SampledToken
+from wavecore.statemachines.request import FinishReason
+
+if TYPE_CHECKING:
+    from .request import Request
+
+
+class PauseState(Enum):
+    """How much the scheduler may do; the DP pause protocol sets it.
+
+    UNPAUSED schedules normally. PAUSED_NEW admits nothing new (waiting requests stay
+    queued) while running requests continue, which drains them. PAUSED_ALL schedules
+    nothing at all and keeps every request where it is.
+    """
+
+    UNPAUSED = "UNPAUSED"
+    PAUSED_NEW = "PAUSED_NEW"
+    PAUSED_ALL = "PAUSED_ALL"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerStats:
+    """A snapshot taken at the end of one `schedule()`.
+
+    `kv_usage` is the fraction of KV blocks referenced by requests; the prefix-cache
+    hit rate counts tokens found cached over tokens looked up at admission.
+    """
+
+    step: int
+    num_waiting: int
+    num_running: int
+    num_scheduled_seqs: int
+    num_scheduled_tokens: int
+    num_preempted: int
+    kv_usage: float
+    prefix_cache_hit_rate: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerOutput:
+    """One step: the batch to execute and what `update` needs to apply its result.
+
+    `requests[i]` is the scheduler's record for `batch.chunks[i]`; treat it as opaque.
+    `num_sampled` chunks sample, so the executor returns that many `SampledToken`s.
+    """
+
+    step: int
+    batch: ModelBatch
+    requests: tuple[Request, ...]
+    num_sampled: int
+    num_preempted: int
+    stats: SchedulerStats
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.batch.chunks
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestUpdate:
+    """What one step produced for one request.
+
+    `new_token_ids` are the tokens appended to the request this step (a stop or EOS
+    token included), `sampled` the matching `SampledToken`s (log-probabilities).
+    `finish_reason` is set when the request finished this step; it then holds no KV
+    blocks any more and will not appear again.
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    sampled: tuple[SampledToken, ...]
+    finish_reason: FinishReason | None

@@ -1,0 +1,67 @@
+"""The scheduler's record of one request: its tokens, KV blocks and lifecycle."""
+
+from __future__ import annotations
+
+from wavecore.engine.sampling_params import SamplingParams
+from wavecore.statemachines.request import RequestMachine, RequestState
+
+
+class Request:
+    """Mutable bookkeeping for one request, owned by the scheduler.
+
+    `token_ids` is the prompt followed by the outputs; chunks share this list, never a
+    copy. `num_computed_tokens` counts the tokens whose KV is in `block_table` (or is
+    being computed by the step in flight). `block_hashes` chains the prefix-cache hashes
+    of the table's full, computed blocks. A stop is decided by `stop_token_ids` (EOS
+    included unless ignored) once the request reaches `min_len` tokens, and a request
+    finishes for length at `max_len` tokens.
+    """
+
+    __slots__ = (
+        "block_hashes",
+        "block_table",
+        "machine",
+        "max_len",
+        "min_len",
+        "num_computed_tokens",
+        "prompt_len",
+        "request_id",
+        "sampling",
+        "stop_token_ids",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        eos_token_id: int | None,
+        max_sequence_len: int,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling = sampling
+        self.token_ids = list(prompt_token_ids)
+        self.prompt_len = len(self.token_ids)
+        self.machine = RequestMachine()
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_computed_tokens = 0
+        stops = set(sampling.stop_token_ids)
+        if eos_token_id is not None and not sampling.ignore_eos:
+            stops.add(eos_token_id)
+        self.stop_token_ids = frozenset(stops)
+        self.min_len = self.prompt_len + sampling.min_tokens
+        self.max_len = min(self.prompt_len + sampling.max_tokens, max_sequence_len)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.machine.state}, "
+            f"tokens={len(self.token_ids)}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_table)})"
+        )
+
+    @property
+    def state(self) -> RequestState:
+        return self.machine.state

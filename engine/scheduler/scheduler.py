@@ -1,0 +1,490 @@
+"""Continuous batching: which tokens of which requests run in the next forward pass.
+
+One step is `schedule()` -> executor -> `update()`, called alternately from the
+engine's worker; nothing here blocks, allocates per token, or touches a tensor.
+
+Theory of operation:
+
+- Queues. `waiting` (a deque) holds requests without KV blocks: new ones at the back,
+  preempted ones at the front, so the oldest preempted request resumes first.
+  `running` (a list, oldest admission first) holds requests with blocks. A request's
+  `RequestMachine` guards every move, so it is never in two queues.
+- Budget. A step runs at most `max_num_batched_tokens` tokens. Running requests go
+  first, oldest first: a decode costs one token, and a request still in its prefill
+  continues with as large a chunk as the budget allows. What is left admits waiting
+  requests, front first, each with a (possibly partial) prefill chunk starting after
+  its longest cached prefix. Admission stops at the first request that does not fit
+  (no reordering, so no starvation), at `max_num_seqs` running requests, on steps the
+  prefill throttle skips, and on any step that had to preempt.
+- Preemption by recompute. When a running request needs a block and none is free,
+  the newest running request is preempted: its blocks are freed and it goes back to
+  the front of `waiting` keeping its output tokens. When it is admitted again, its
+  whole token list (prompt and outputs) is prefilled, and only the chunk that reaches
+  its last token samples, so it continues exactly where it stopped.
+- Positions are committed at schedule time: `num_computed_tokens` includes the step
+  in flight. `update()` appends each sampled token, applies the stop rules, registers
+  newly full blocks in the prefix cache, and frees finished requests' blocks.
+- Aborts and finishes may arrive at any time, also between `schedule()` and
+  `update()`: the request is finished and its blocks freed at once, and `update()`
+  skips samples of requests that are no longer running. A freed request's block
+  table is replaced, never cleared in place, because the batch in flight still
+  holds the old list.
+- A request can always progress alone: prompts that could never fit are refused at
+  `add`, and a request finishes with LENGTH at `min(max_model_len, KV pool tokens)`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from wavecore.engine.batch import ModelBatch, ModelOutput, SequenceChunk
+from wavecore.engine.sampling_params import SamplingParams
+from wavecore.statemachines.request import (
+    Finish,
+    FinishReason,
+    Preempt,
+    RequestState,
+    Schedule,
+)
+
+from .block_manager import BlockManager
+from .config import SchedulerConfig
+from .errors import (
+    DuplicateRequestError,
+    InvalidPromptError,
+    OutputMismatchError,
+    PromptTooLongError,
+    StepOrderError,
+)
+from .fast_build import build_chunk, build_update
+from .outputs import PauseState, RequestUpdate, SchedulerOutput, SchedulerStats
+from .request import Request
+
+_RUNNING = RequestState.RUNNING
+_PREEMPTED = RequestState.PREEMPTED
+_SCHEDULE = Schedule()
+_PREEMPT = Preempt()
+_STOP = FinishReason.STOP
+_LENGTH = FinishReason.LENGTH
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a `BlockManager`; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        self.config = config
+        self.block_manager = BlockManager(
+            num_blocks=config.num_kv_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self._max_sequence_len = config.max_sequence_len
+        self._requests: dict[str, Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._pause = PauseState.UNPAUSED
+        self._step = 0
+        self._in_flight: SchedulerOutput | None = None
+        self._last_stats = self._snapshot(step=0, num_seqs=0, num_tokens=0, num_preempted=0)
+
+    # -- queries -------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def pause_state(self) -> PauseState:
+        return self._pause
+
+    @property
+    def step_counter(self) -> int:
+        """How many times `schedule()` has been called."""
+        return self._step
+
+    @property
+    def last_stats(self) -> SchedulerStats:
+        """The statistics of the last `schedule()` (all zeros before the first)."""
+        return self._last_stats
+
+    def stats(self) -> SchedulerStats:
+        """Queue lengths and KV figures now, with the last step's scheduling figures."""
+        last = self._last_stats
+        return self._snapshot(
+            step=last.step,
+            num_seqs=last.num_scheduled_seqs,
+            num_tokens=last.num_scheduled_tokens,
+            num_preempted=last.num_preempted,
+        )
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is live (waiting, running or preempted), paused or not."""
+        return bool(self._requests)
+
+    def has_work(self) -> bool:
+        """Whether `schedule()` could make progress in the current pause state.
+
+        Under PAUSED_NEW only running and preempted requests count, so a paused engine
+        with new requests queued can still go idle; under PAUSED_ALL nothing does.
+        """
+        if self._pause is PauseState.UNPAUSED:
+            return bool(self._requests)
+        if self._pause is PauseState.PAUSED_NEW:
+            waiting = self._waiting
+            return bool(self._running) or bool(waiting and waiting[0].state is _PREEMPTED)
+        return False
+
+    def queues(self) -> tuple[tuple[Request, ...], tuple[Request, ...]]:
+        """Snapshots of the running and the waiting queue, in order (for checks and debugging)."""
+        return tuple(self._running), tuple(self._waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live request with this id, or None."""
+        return self._requests.get(request_id)
+
+    # -- requests in and out -------------------------------------------------------
+
+    def add(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+    ) -> None:
+        """Queue a new request. Raises before changing anything if it is invalid."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise DuplicateRequestError(f"request id {request_id!r} is already live")
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        if isinstance(prompt_token_ids, str | bytes):
+            raise InvalidPromptError(f"request {request_id!r}: prompt must be token ids, not text")
+        tokens = list(prompt_token_ids)
+        if not tokens:
+            raise InvalidPromptError(f"request {request_id!r}: the prompt is empty")
+        if not all(type(token) is int and token >= 0 for token in tokens):
+            raise InvalidPromptError(
+                f"request {request_id!r}: prompt token ids must be non-negative ints"
+            )
+        if len(tokens) >= self._max_sequence_len:
+            config = self.config
+            raise PromptTooLongError(
+                f"request {request_id!r}: a prompt of {len(tokens)} tokens leaves no room for "
+                f"an output token (max_model_len {config.max_model_len}, KV pool "
+                f"{config.num_kv_blocks * config.block_size} tokens)"
+            )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=tokens,
+            sampling=sampling,
+            eos_token_id=self.config.eos_token_id,
+            max_sequence_len=self._max_sequence_len,
+        )
+        self._requests[request_id] = request
+        self._waiting.append(request)
+
+    def abort(self, request_ids: Iterable[str]) -> list[str]:
+        """Finish these requests as ABORT and free their blocks; return the ids aborted.
+
+        Ids that are not live (unknown, or already finished) are skipped, not an error:
+        an abort routinely races with the request's own finish.
+        """
+        if isinstance(request_ids, str):
+            raise TypeError("abort() takes an iterable of request ids, not a single str")
+        aborted = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._finish_out_of_band(request, FinishReason.ABORT)
+                aborted.append(request_id)
+        return aborted
+
+    def abort_all(self) -> list[str]:
+        """Abort every live request (pause mode `abort`); return their ids."""
+        return self.abort(list(self._requests))
+
+    def finish(self, request_id: str, reason: FinishReason = FinishReason.STOP) -> bool:
+        """Finish a live request (e.g. the engine matched a stop string); False if not live.
+
+        STOP and LENGTH are accepted only for a running request (`ProtocolError`
+        otherwise, with nothing changed).
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._finish_out_of_band(request, reason)
+        return True
+
+    # -- pause and KV state --------------------------------------------------------
+
+    def set_pause(self, state: PauseState) -> None:
+        if not isinstance(state, PauseState):
+            raise TypeError(f"state must be a PauseState, got {state!r}")
+        self._pause = state
+
+    def preempt_all(self) -> int:
+        """Send every running request back to waiting, to be recomputed; return how many.
+
+        For when the executor drops its KV cache (sleep) while requests are kept.
+        """
+        running = self._running
+        count = len(running)
+        while running:
+            self._preempt(running.pop())
+        return count
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    # -- one step ------------------------------------------------------------------
+
+    def schedule(self, step: int | None = None) -> SchedulerOutput:
+        """Choose the next batch. `step` feeds the prefill throttle (default: own count)."""
+        if self._in_flight is not None:
+            raise StepOrderError("schedule() called again before update() of the last step")
+        if step is None:
+            step = self._step
+        self._step += 1
+        if self._pause is PauseState.PAUSED_ALL:
+            return self._output(step, [], [], 0, 0, 0)
+
+        config = self.config
+        budget = config.max_num_batched_tokens
+        block_manager = self.block_manager
+        block_size = config.block_size
+        running = self._running
+        chunks: list[SequenceChunk] = []
+        requests: list[Request] = []
+        num_sampled = 0
+        num_preempted = 0
+
+        # Popping preempted victims off the end while iterating is safe: the iterator
+        # stops at the shortened length, and victims are never already scheduled.
+        for request in running:
+            if budget == 0:
+                break
+            computed = request.num_computed_tokens
+            tokens = request.token_ids
+            total = len(tokens)
+            table = request.block_table
+            if total - computed == 1:  # a decode
+                end = total
+                token_ids = (tokens[-1],)
+            else:  # a prefill that continues
+                end = total if total - computed <= budget else computed + budget
+                token_ids = tokens[computed:end]
+            if end > len(table) * block_size:
+                while not block_manager.can_append(table, end):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    num_preempted += 1
+                    if victim is request:
+                        break
+                if request.machine.state is not _RUNNING:
+                    break
+                block_manager.append(table, end)
+            sample = end == total
+            num_sampled += sample
+            chunks.append(
+                build_chunk(
+                    request.request_id,
+                    token_ids,
+                    computed,
+                    table,
+                    sample,
+                    request.sampling,
+                    tokens,
+                    request.prompt_len,
+                )
+            )
+            requests.append(request)
+            request.num_computed_tokens = end
+            budget -= end - computed
+
+        if num_preempted == 0 and step % config.prefill_interval == 0:
+            budget, num_sampled = self._admit(chunks, requests, budget, num_sampled)
+
+        num_tokens = config.max_num_batched_tokens - budget
+        return self._output(step, chunks, requests, num_sampled, num_tokens, num_preempted)
+
+    def update(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[RequestUpdate]:
+        """Apply one step's samples; return one `RequestUpdate` per request that got a token.
+
+        Requests finished or aborted since `schedule()` are skipped. Raises
+        `StepOrderError` for an output that is not the last `schedule()`'s, and
+        `OutputMismatchError` (changing nothing) if `output` does not match its batch.
+        """
+        if scheduled is not self._in_flight:
+            if scheduled.is_empty and not output.sampled:
+                return []
+            raise StepOrderError("update() got an output that is not the last schedule()'s")
+        samples = output.sampled
+        chunks = scheduled.batch.chunks
+        expected = [chunk.request_id for chunk in chunks if chunk.sample]
+        if [sample.request_id for sample in samples] != expected:
+            raise OutputMismatchError(
+                f"the executor returned {len(samples)} samples for {len(expected)} sampling "
+                f"chunks, or in another order"
+            )
+        self._in_flight = None
+
+        block_manager = self.block_manager
+        caching = block_manager.enable_prefix_caching
+        block_size = block_manager.block_size
+        updates: list[RequestUpdate] = []
+        any_finished = False
+        sample_index = 0
+        for request, chunk in zip(scheduled.requests, chunks, strict=True):
+            if not chunk.sample:
+                # A prefill chunk that samples nothing may still fill blocks.
+                if caching and request.machine.state is _RUNNING:
+                    self._cache_blocks(request)
+                continue
+            sample = samples[sample_index]
+            sample_index += 1
+            if request.machine.state is not _RUNNING:
+                continue
+            token_id = sample.token_id
+            tokens = request.token_ids
+            tokens.append(token_id)
+            length = len(tokens)
+            if caching and request.num_computed_tokens // block_size > len(request.block_hashes):
+                self._cache_blocks(request)
+            if token_id in request.stop_token_ids and length >= request.min_len:
+                reason = _STOP
+            elif length >= request.max_len:
+                reason = _LENGTH
+            else:
+                reason = None
+            if reason is not None:
+                self._release(request, reason)
+                any_finished = True
+            updates.append(build_update(request.request_id, (token_id,), (sample,), reason))
+        if any_finished:
+            self._running = [r for r in self._running if r.machine.state is _RUNNING]
+        return updates
+
+    # -- internals -----------------------------------------------------------------
+
+    def _admit(
+        self, chunks: list[SequenceChunk], requests: list[Request], budget: int, num_sampled: int
+    ) -> tuple[int, int]:
+        """Admit waiting requests with prefill chunks while budget, seats and blocks last."""
+        waiting = self._waiting
+        running = self._running
+        block_manager = self.block_manager
+        max_num_seqs = self.config.max_num_seqs
+        new_allowed = self._pause is PauseState.UNPAUSED
+        while waiting and budget > 0 and len(running) < max_num_seqs:
+            request = waiting[0]
+            if not new_allowed and request.machine.state is not _PREEMPTED:
+                break
+            tokens = request.token_ids
+            hit = block_manager.lookup_prefix(tokens)
+            computed = hit.num_tokens
+            total = len(tokens)
+            end = min(total, computed + budget)
+            if not block_manager.can_allocate(hit, end):
+                break
+            waiting.popleft()
+            request.machine.handle(_SCHEDULE)
+            request.block_table = block_manager.allocate(hit, end)
+            request.block_hashes = list(hit.block_hashes)
+            request.num_computed_tokens = end
+            running.append(request)
+            sample = end == total
+            num_sampled += sample
+            chunks.append(
+                build_chunk(
+                    request.request_id,
+                    tokens[computed:end],
+                    computed,
+                    request.block_table,
+                    sample,
+                    request.sampling,
+                    tokens,
+                    request.prompt_len,
+                )
+            )
+            requests.append(request)
+            budget -= end - computed
+        return budget, num_sampled
+
+    def _output(
+        self,
+        step: int,
+        chunks: list[SequenceChunk],
+        requests: list[Request],
+        num_sampled: int,
+        num_tokens: int,
+        num_preempted: int,
+    ) -> SchedulerOutput:
+        stats = self._snapshot(
+            step=step, num_seqs=len(chunks), num_tokens=num_tokens, num_preempted=num_preempted
+        )
+        self._last_stats = stats
+        output = SchedulerOutput(
+            step=step,
+            batch=ModelBatch(chunks=tuple(chunks)),
+            requests=tuple(requests),
+            num_sampled=num_sampled,
+            num_preempted=num_preempted,
+            stats=stats,
+        )
+        if chunks:
+            self._in_flight = output
+        return output
+
+    def _snapshot(
+        self, *, step: int, num_seqs: int, num_tokens: int, num_preempted: int
+    ) -> SchedulerStats:
+        block_manager = self.block_manager
+        return SchedulerStats(
+            step=step,
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            num_scheduled_seqs=num_seqs,
+            num_scheduled_tokens=num_tokens,
+            num_preempted=num_preempted,
+            kv_usage=block_manager.usage,
+            prefix_cache_hit_rate=block_manager.prefix_cache_hit_rate,
+        )
+
+    def _cache_blocks(self, request: Request) -> None:
+        self.block_manager.cache_full_blocks(
+            request.block_table,
+            request.block_hashes,
+            request.token_ids,
+            request.num_computed_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        request.machine.handle(_PREEMPT)
+        self._free_blocks(request)
+        request.num_computed_tokens = 0
+        self._waiting.appendleft(request)
+
+    def _release(self, request: Request, reason: FinishReason) -> None:
+        """Finish a request and free its blocks; the caller removes it from its queue."""
+        request.machine.handle(Finish(reason=reason))
+        self._free_blocks(request)
+        del self._requests[request.request_id]
+
+    def _finish_out_of_band(self, request: Request, reason: FinishReason) -> None:
+        state = request.machine.state
+        self._release(request, reason)
+        if state is _RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+
+    def _free_blocks(self, request: Request) -> None:
+        # New lists rather than clear(): a batch in flight may still read the old ones.
+        if request.block_table:
+            self.block_manager.free(request.block_table)
+        request.block_table = []
+        request.block_hashes = []

@@ -1,0 +1,142 @@
+"""Exhaustive exploration: every interleaving of a small deployment, breadth first.
+
+Theory of operation:
+
+1. A node is a ``World`` plus how far the client got through its script. From each
+   node every enabled move is tried: each channel's head delivered, each rank stepped,
+   the next request submitted, the next script operation (pause, resume, sleep, wake,
+   scale) issued. The client's moves are optional: it may stop at any point.
+2. States are hashed (``World.key``); a state seen before is not expanded again.
+3. Every move is checked by the world's invariants; nodes with nothing left to deliver
+   or step are also checked for the end-state properties.
+4. The first violation stops the search. Its trace is rebuilt by replaying the moves
+   from the start with tracing on, so only parent links are kept in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .rank import PauseMode
+from .variants import VARIANTS
+from .world import RequestSpec, Violation, World, WorldConfig
+
+ClientOp = tuple[object, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExploreConfig:
+    world: WorldConfig = field(default_factory=WorldConfig)
+    requests: tuple[RequestSpec, ...] = ()
+    script: tuple[ClientOp, ...] = ()
+
+    def broken(self, name: str) -> ExploreConfig:
+        """The same configuration running the named broken variant."""
+        if name not in VARIANTS:
+            raise ValueError(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
+        variant = VARIANTS[name]
+        world = replace(
+            self.world, rank_class=variant.rank_class, coordinator_class=variant.coordinator_class
+        )
+        return replace(self, world=world)
+
+
+def default_config(dp_size: int) -> ExploreConfig:
+    """A handful of requests and one pause/resume, with a duplicate resume."""
+    requests = tuple(RequestSpec(rank=r % dp_size, steps=1 + r % 2) for r in range(3))
+    return ExploreConfig(
+        world=WorldConfig(dp_size=dp_size),
+        requests=requests,
+        script=(("pause", PauseMode.KEEP), ("resume",), ("resume",)),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExploreResult:
+    states: int
+    depth: int
+    violation: Violation | None
+
+
+Node = tuple[World, int]
+
+
+def _client_moves(config: ExploreConfig, world: World, position: int) -> list[tuple[object, ...]]:
+    moves: list[tuple[object, ...]] = []
+    if world.client.submitted < len(config.requests):
+        moves.append(("submit",))
+    if position < len(config.script) and world.refusal(config.script[position]) is None:
+        moves.append(("op",))
+    return moves
+
+
+def _apply(config: ExploreConfig, world: World, position: int, move: tuple[object, ...]) -> int:
+    if move[0] == "submit":
+        world.submit(config.requests[world.client.submitted])
+        return position
+    if move[0] == "op":
+        world.client_op(config.script[position])
+        return position + 1
+    world.apply(move)
+    return position
+
+
+def _replay(config: ExploreConfig, moves: list[tuple[object, ...]]) -> Violation:
+    world = World.start(config.world)
+    world.trace = []
+    position = 0
+    try:
+        for move in moves:
+            position = _apply(config, world, position, move)
+        world.check_quiescent()
+    except Violation as violation:
+        violation.trace = world.trace
+        return violation
+    raise RuntimeError("replaying the violating trace did not reproduce the violation")
+
+
+def explore(config: ExploreConfig, depth: int) -> ExploreResult:
+    """Breadth-first search to ``depth`` moves; the first violation with its trace."""
+    start = World.start(config.world)
+    start_key = (start.key(), 0)
+    parents: dict[object, tuple[object, tuple[object, ...]] | None] = {start_key: None}
+    frontier: list[tuple[object, Node]] = [(start_key, (start, 0))]
+    reached = 0
+    for level in range(depth + 1):
+        next_frontier: list[tuple[object, Node]] = []
+        for key, (world, position) in frontier:
+            network = world.network_moves()
+            try:
+                if not network:
+                    world.check_quiescent()
+            except Violation:
+                return ExploreResult(states=len(parents), depth=level, violation=_replay(config, _path(parents, key)))
+            if level == depth:
+                continue
+            for move in network + _client_moves(config, world, position):
+                child = world.clone()
+                try:
+                    child_position = _apply(config, child, position, move)
+                except Violation:
+                    path = [*_path(parents, key), move]
+                    return ExploreResult(states=len(parents), depth=level + 1, violation=_replay(config, path))
+                child_key = (child.key(), child_position)
+                if child_key not in parents:
+                    parents[child_key] = (key, move)
+                    next_frontier.append((child_key, (child, child_position)))
+        if not next_frontier:
+            break
+        reached = level + 1
+        frontier = next_frontier
+    return ExploreResult(states=len(parents), depth=reached, violation=None)
+
+
+def _path(parents: dict[object, tuple[object, tuple[object, ...]] | None], key: object) -> list[tuple[object, ...]]:
+    moves: list[tuple[object, ...]] = []
+    link = parents[key]
+    while link is not None:
+        key, move = link
+        moves.append(move)
+        link = parents[key]
+    return moves[::-1]
+

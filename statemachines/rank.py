@@ -1,0 +1,588 @@
+"""The engine rank's protocol: waves, lockstep syncs, two-phase pause, sleep.
+
+Theory of operation (numbers are referred to by tests and by the engine loop):
+
+1. The machine owns the protocol; the busy loop owns nothing but I/O. One loop
+   iteration is:
+
+   a. deliver every input that arrived, in order: ``RequestArrived`` (after adding the
+      request to the scheduler), ``StartWave``, ``PauseRequested``, ``ResumeRequested``,
+      ``SleepRequested``, ``WakeUpRequested``; perform the actions each returns;
+   b. run one scheduler step (the scheduler itself honours ``PauseScheduler``) and feed
+      ``StepDone(executed, has_unfinished)``; perform the actions in order:
+      ``RunDummyBatch`` (one dummy forward), then ``SyncDP`` (the all-reduce; feed its
+      result as ``SyncDone``, whose actions are performed too);
+   c. if the last action of the iteration was ``Idle``, block until the next input,
+      otherwise start the next iteration at once.
+
+   ``ResumeBarrier`` asks for the barrier all-reduce of the resume; feed its result as
+   ``ResumeSynced``. While a collective is outstanding (phases SYNCING and BARRIER) the
+   machine takes nothing but its result: inputs wait in the loop's queue.
+2. Lockstep mode: while a wave runs every iteration issues exactly one forward (a real
+   step, else ``RunDummyBatch``), ``step_counter`` counts them, and the rank syncs on
+   step 1 of a wave and every ``sync_interval`` steps. Only an all-reduce stops a wave.
+3. Independent mode: no syncs, no dummy batches, no waves; the rank runs while it has
+   work and pauses on its own.
+4. A wake not decided by a collective is announced with ``NotifyStartWave``: a request
+   reaching an idle unpaused rank (whatever its wave), or a ``StartWave`` acted upon.
+   ``StartWave`` is ignored while ``ignore_start_wave`` is set, for an older wave, by
+   the rank it excludes, and by a rank already running.
+5. A sync ends the wave when nobody has work and nobody is pausing; rank 0 then sends
+   ``NotifyWaveComplete``. Every rank does ``wave += 1`` and ``step_counter = 0``.
+6. Pause phase 1 (PENDING): the scheduler is paused in the requested mode and a
+   lockstep rank is forced running, so it keeps serving peers. It votes for the pause
+   at each sync (a WAIT pause only once nothing of its own executes any more).
+7. Pause phase 2: when every rank votes, the wave ends (rule 5), ``ignore_start_wave``
+   is set and ``PauseComplete`` is returned, after the last forward of that iteration.
+8. Requests reaching a paused or sleeping rank wait and say so (``RequestHeld``).
+9. Resume while PENDING is refused; resume while unpaused is a harmless no-op (a
+   duplicate resume never sends one rank into the barrier alone); resume while paused
+   clears the pause and ``ignore_start_wave`` and asks for the barrier, after which the
+   ranks run if any of them holds work (rank 0 announces that wave).
+10. Sleep pauses first (KEEP for level 0, ABORT for levels that drop the KV cache),
+    then ``EnterSleep``. ``WakeUpRequested`` wakes the given parts; the rank resumes
+    (rule 9) only when nothing is asleep any more. Resume while asleep is refused.
+11. ``Reconfigured`` (elastic scaling) is taken only while paused and idle: the rank
+    adopts its new rank, group size, and the group's max of wave and step counter.
+12. ``SyncDone`` may carry the spans (min, max) of the participants' wave and step
+    counter; any difference raises ``LockstepDriftError`` instead of hanging later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from .errors import LockstepDriftError
+from .table import TableMachine, Transition
+
+
+class PauseMode(Enum):
+    ABORT = "abort"
+    WAIT = "wait"
+    KEEP = "keep"
+
+
+class PauseState(Enum):
+    UNPAUSED = "unpaused"
+    PENDING = "pending"
+    PAUSED = "paused"
+
+
+class RankPhase(Enum):
+    IDLE = "idle"
+    RUNNING = "running"
+    SYNCING = "syncing"
+    BARRIER = "barrier"
+
+
+SLEEP_TAGS = frozenset({"weights", "kv_cache", "scheduling"})
+
+
+def sleep_tags(level: int) -> frozenset[str]:
+    """What a sleep of this level puts to sleep."""
+    return frozenset({"scheduling"}) if level == 0 else SLEEP_TAGS
+
+
+def _check_non_negative(owner: object, **values: int) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{type(owner).__name__}.{name} must be >= 0, got {value}")
+
+
+# -- events -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestArrived:
+    wave: int
+
+    def __post_init__(self) -> None:
+        _check_non_negative(self, wave=self.wave)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartWave:
+    wave: int
+    exclude_rank: int
+
+    def __post_init__(self) -> None:
+        _check_non_negative(self, wave=self.wave)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepDone:
+    executed: bool
+    has_unfinished: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncDone:
+    any_unfinished: bool
+    pausing_ranks: int
+    wave_span: tuple[int, int] | None = None
+    step_counter_span: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        _check_non_negative(self, pausing_ranks=self.pausing_ranks)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PauseRequested:
+    mode: PauseMode
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeRequested:
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeSynced:
+    any_unfinished: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SleepRequested:
+    level: int
+
+    def __post_init__(self) -> None:
+        if self.level not in (0, 1, 2):
+            raise ValueError(f"SleepRequested.level must be 0, 1 or 2, got {self.level}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WakeUpRequested:
+    """Wake the given parts; ``None`` wakes everything."""
+
+    tags: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tags is not None and not self.tags <= SLEEP_TAGS:
+            unknown = sorted(self.tags - SLEEP_TAGS)
+            raise ValueError(f"WakeUpRequested.tags: unknown {unknown}; known {sorted(SLEEP_TAGS)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reconfigured:
+    """The new group's all-reduced max of (running, wave, step_counter), plus placement."""
+
+    rank: int
+    dp_size: int
+    wave: int
+    running: bool
+    step_counter: int
+
+    def __post_init__(self) -> None:
+        _check_non_negative(self, rank=self.rank, wave=self.wave, step_counter=self.step_counter)
+        if not 0 <= self.rank < self.dp_size:
+            raise ValueError(f"Reconfigured.rank {self.rank} outside dp_size {self.dp_size}")
+
+
+# -- actions ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunDummyBatch:
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncDP:
+    """All-reduce ``[has_unfinished, pending_pause]`` (OR and count); wave and
+    step_counter are for the drift check (min and max)."""
+
+    has_unfinished: bool
+    pending_pause: bool
+    wave: int
+    step_counter: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeBarrier:
+    has_unfinished: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NotifyStartWave:
+    wave: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NotifyWaveComplete:
+    wave: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PauseComplete:
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PauseScheduler:
+    """ABORT: finish every request as aborted, then hold new ones; WAIT: hold new ones,
+    let running ones finish; KEEP: schedule nothing, keep everything."""
+
+    mode: PauseMode
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeScheduler:
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestHeld:
+    """Tell the client its request waits (``reason`` is "paused" or "asleep")."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnterSleep:
+    level: int
+    tags: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WakeUp:
+    tags: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Idle:
+    pass
+
+
+# -- state --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankSnapshot:
+    phase: RankPhase
+    rank: int
+    dp_size: int
+    wave: int = 0
+    running: bool = False
+    step_counter: int = 0
+    pause_state: PauseState = PauseState.UNPAUSED
+    pause_mode: PauseMode | None = None
+    ignore_start_wave: bool = False
+    has_work: bool = False
+    asleep: frozenset[str] = frozenset()
+    sleep_level: int | None = None
+
+
+_IDLE, _RUNNING, _SYNCING, _BARRIER = RankPhase
+_RESTING = (_IDLE, _RUNNING)
+
+
+def _rows() -> dict[tuple[RankPhase, type], Transition]:
+    rows: dict[tuple[RankPhase, type], Transition] = {}
+    for phase in _RESTING:
+
+        def row(handler: str, *targets: RankPhase, phase: RankPhase = phase) -> Transition:
+            return Transition(handler=handler, targets=tuple(dict.fromkeys((phase, *targets))))
+
+        rows[phase, RequestArrived] = row("on_request", _RUNNING)
+        rows[phase, StartWave] = row("on_start_wave", _RUNNING)
+        rows[phase, StepDone] = row("on_step_done", _IDLE, _RUNNING, _SYNCING)
+        rows[phase, PauseRequested] = row("on_pause", _RUNNING)
+        rows[phase, SleepRequested] = row("on_sleep", _RUNNING)
+        rows[phase, ResumeRequested] = row("on_resume", _IDLE, _RUNNING, _BARRIER)
+        rows[phase, WakeUpRequested] = row("on_wake_up", _IDLE, _RUNNING, _BARRIER)
+    rows[_IDLE, Reconfigured] = Transition(handler="on_reconfigured", targets=(_IDLE,))
+    rows[_SYNCING, SyncDone] = Transition(handler="on_sync_done", targets=(_IDLE, _RUNNING))
+    rows[_BARRIER, ResumeSynced] = Transition(handler="on_resume_synced", targets=(_IDLE, _RUNNING))
+    return rows
+
+
+Result = tuple[RankSnapshot, tuple[object, ...]]
+
+
+class RankMachine(TableMachine[RankSnapshot]):
+    """One DP rank's protocol state; see the module docstring for how a loop drives it."""
+
+    TRANSITIONS = _rows()
+
+    def __init__(
+        self,
+        rank: int,
+        dp_size: int,
+        *,
+        sync_interval: int = 32,
+        lockstep: bool = True,
+        joining: bool = False,
+    ) -> None:
+        if dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+        if not 0 <= rank < dp_size:
+            raise ValueError(f"rank {rank} outside dp_size {dp_size}")
+        if sync_interval < 1:
+            raise ValueError(f"sync_interval must be >= 1, got {sync_interval}")
+        self.sync_interval = sync_interval
+        self.lockstep = lockstep
+        # A rank joining a running group (scale up) waits, paused, for the switch.
+        self._state = RankSnapshot(
+            phase=_IDLE,
+            rank=rank,
+            dp_size=dp_size,
+            pause_state=PauseState.PAUSED if joining else PauseState.UNPAUSED,
+            pause_mode=PauseMode.KEEP if joining else None,
+            ignore_start_wave=joining,
+        )
+
+    # -- read-only view -------------------------------------------------------------
+
+    @property
+    def phase(self) -> RankPhase:
+        return self._state.phase
+
+    @property
+    def rank(self) -> int:
+        return self._state.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self._state.dp_size
+
+    @property
+    def wave(self) -> int:
+        return self._state.wave
+
+    @property
+    def running(self) -> bool:
+        return self._state.running
+
+    @property
+    def step_counter(self) -> int:
+        return self._state.step_counter
+
+    @property
+    def pause_state(self) -> PauseState:
+        return self._state.pause_state
+
+    @property
+    def ignore_start_wave(self) -> bool:
+        return self._state.ignore_start_wave
+
+    @property
+    def asleep(self) -> frozenset[str]:
+        return self._state.asleep
+
+    # -- rules that broken variants in the tests override ----------------------------
+
+    def sync_due(self, step_counter: int) -> bool:
+        """Rule 2: step 1 of a wave, and every ``sync_interval`` steps."""
+        return step_counter == 1 or step_counter % self.sync_interval == 0
+
+    def needs_dummy(self, state: RankSnapshot, event: StepDone) -> bool:
+        """Rule 2: one forward per iteration while the wave runs."""
+        return not event.executed
+
+    def counts_step(self, event: StepDone) -> bool:
+        """Rule 2: every forward, real or dummy, counts."""
+        return True
+
+    def wakes_on_request(self, state: RankSnapshot, event: RequestArrived) -> bool:
+        """Rules 4 and 8: an idle rank wakes for any request unless paused or asleep."""
+        return state.pause_state is PauseState.UNPAUSED and not state.asleep
+
+    def runs_own_wake(self) -> bool:
+        """Rule 4: the rank that announces a wake runs it itself."""
+        return True
+
+    def start_wave_ignored(self, state: RankSnapshot, event: StartWave) -> bool:
+        """Rule 4."""
+        return state.ignore_start_wave or event.wave < state.wave or state.running
+
+    def duplicate_resume_actions(self, state: RankSnapshot) -> Result:
+        """Rule 9: a resume while unpaused changes nothing."""
+        return state, ()
+
+    def held(self, state: RankSnapshot) -> tuple[object, ...]:
+        """Rule 8: a waiting request is announced."""
+        return (RequestHeld(reason="asleep" if state.asleep else "paused"),)
+
+    # -- handlers ----------------------------------------------------------------------
+
+    def on_request(self, state: RankSnapshot, event: RequestArrived) -> Result:
+        state = replace(state, has_work=True)
+        if state.phase is _RUNNING:
+            held = self.held(state) if state.pause_state is PauseState.PENDING else ()
+            return state, held
+        if not self.wakes_on_request(state, event):
+            if state.pause_state is PauseState.UNPAUSED and not state.asleep:
+                return state, ()
+            return state, self.held(state)
+        if not self.lockstep:
+            return replace(state, phase=_RUNNING, running=True), ()
+        wave = max(state.wave, event.wave)
+        woken = replace(state, wave=wave)
+        if self.runs_own_wake():
+            woken = replace(woken, phase=_RUNNING, running=True)
+        return woken, (NotifyStartWave(wave=wave),)
+
+    def on_start_wave(self, state: RankSnapshot, event: StartWave) -> Result:
+        if not self.lockstep or self.start_wave_ignored(state, event):
+            return state, ()
+        if event.exclude_rank == state.rank:
+            return replace(state, wave=event.wave), ()
+        started = replace(state, phase=_RUNNING, running=True, wave=event.wave)
+        return started, (NotifyStartWave(wave=event.wave),)
+
+    def on_step_done(self, state: RankSnapshot, event: StepDone) -> Result:
+        state = replace(state, has_work=event.has_unfinished)
+        if not self.lockstep:
+            return self._independent_step(state, event)
+        if state.phase is _IDLE:
+            if event.executed:
+                raise self.refuse(state, event, "a forward ran outside a running wave")
+            if event.has_unfinished and state.pause_state is PauseState.UNPAUSED:
+                raise self.refuse(state, event, "work appeared without a RequestArrived")
+            return state, (Idle(),)
+        actions: list[object] = []
+        if self.needs_dummy(state, event):
+            actions.append(RunDummyBatch())
+        counter = state.step_counter + 1 if self.counts_step(event) else state.step_counter
+        state = replace(state, step_counter=counter)
+        if counter and self.sync_due(counter):
+            vote = state.pause_state is PauseState.PENDING and (
+                state.pause_mode is not PauseMode.WAIT or not event.executed
+            )
+            actions.append(
+                SyncDP(
+                    has_unfinished=event.has_unfinished,
+                    pending_pause=vote,
+                    wave=state.wave,
+                    step_counter=counter,
+                )
+            )
+            state = replace(state, phase=_SYNCING)
+        return state, tuple(actions)
+
+    def _independent_step(self, state: RankSnapshot, event: StepDone) -> Result:
+        if state.pause_state is PauseState.PENDING and (
+            state.pause_mode is not PauseMode.WAIT or not event.executed
+        ):
+            return self._pause_reached(state, ())
+        if state.pause_state is PauseState.PAUSED or not event.has_unfinished:
+            return replace(state, phase=_IDLE, running=False), (Idle(),)
+        return replace(state, phase=_RUNNING, running=True), ()
+
+    def on_sync_done(self, state: RankSnapshot, event: SyncDone) -> Result:
+        if event.pausing_ranks > state.dp_size:
+            raise self.refuse(state, event, f"more pausing ranks than dp_size {state.dp_size}")
+        for name, span, own in (
+            ("wave", event.wave_span, state.wave),
+            ("step_counter", event.step_counter_span, state.step_counter),
+        ):
+            if span is not None and span != (own, own):
+                raise LockstepDriftError(
+                    type(self).__name__,
+                    state.phase.name,
+                    event,
+                    f"{name} {own} here, {span[0]}..{span[1]} across the group",
+                )
+        if event.pausing_ranks == state.dp_size:
+            if state.pause_state is not PauseState.PENDING:
+                raise self.refuse(state, event, "pause consensus but this rank is not pausing")
+            return self._pause_reached(state, self._end_wave_actions(state))
+        if event.any_unfinished or event.pausing_ranks:
+            return replace(state, phase=_RUNNING), ()
+        ended = self._end_wave(state)
+        return ended, (*self._end_wave_actions(state), Idle())
+
+    def _end_wave(self, state: RankSnapshot) -> RankSnapshot:
+        return replace(
+            state, phase=_IDLE, running=False, wave=state.wave + 1, step_counter=0
+        )
+
+    def _end_wave_actions(self, state: RankSnapshot) -> tuple[object, ...]:
+        return (NotifyWaveComplete(wave=state.wave),) if state.rank == 0 else ()
+
+    def _pause_reached(self, state: RankSnapshot, actions: tuple[object, ...]) -> Result:
+        paused = replace(
+            self._end_wave(state) if self.lockstep else state,
+            phase=_IDLE,
+            running=False,
+            pause_state=PauseState.PAUSED,
+            ignore_start_wave=True,
+        )
+        sleep: tuple[object, ...] = ()
+        if state.sleep_level is not None:
+            tags = sleep_tags(state.sleep_level)
+            paused = replace(paused, asleep=paused.asleep | tags, sleep_level=None)
+            sleep = (EnterSleep(level=state.sleep_level, tags=tags),)
+        return paused, (*actions, PauseComplete(), *sleep, Idle())
+
+    def on_pause(self, state: RankSnapshot, event: PauseRequested) -> Result:
+        scheduler = (PauseScheduler(mode=event.mode),)
+        if state.pause_state is PauseState.PAUSED:
+            return replace(state, pause_mode=event.mode), (*scheduler, PauseComplete())
+        pending = replace(state, pause_state=PauseState.PENDING, pause_mode=event.mode)
+        if self.lockstep:
+            pending = replace(pending, phase=_RUNNING, running=True)
+        return pending, scheduler
+
+    def on_sleep(self, state: RankSnapshot, event: SleepRequested) -> Result:
+        if state.pause_state is PauseState.PAUSED:
+            tags = sleep_tags(event.level)
+            asleep = replace(state, asleep=state.asleep | tags)
+            return asleep, (EnterSleep(level=event.level, tags=tags),)
+        level = max(event.level, state.sleep_level or 0)
+        if state.pause_state is PauseState.PENDING:
+            return replace(state, sleep_level=level), ()
+        # Dropping the KV cache cannot keep running requests: they are aborted.
+        mode = PauseMode.KEEP if level == 0 else PauseMode.ABORT
+        pending, actions = self.on_pause(state, PauseRequested(mode=mode))
+        return replace(pending, sleep_level=level), actions
+
+    def on_wake_up(self, state: RankSnapshot, event: WakeUpRequested) -> Result:
+        tags = state.asleep if event.tags is None else event.tags & state.asleep
+        awake = replace(state, asleep=state.asleep - tags)
+        if not state.asleep or awake.asleep:
+            return awake, (WakeUp(tags=tags),)
+        resumed, actions = self._resume(awake)
+        return resumed, (WakeUp(tags=tags), *actions)
+
+    def on_resume(self, state: RankSnapshot, event: ResumeRequested) -> Result:
+        if state.pause_state is PauseState.PENDING:
+            raise self.refuse(state, event, "a pause is still pending")
+        if state.asleep:
+            raise self.refuse(state, event, f"asleep ({sorted(state.asleep)}); wake up first")
+        if state.pause_state is PauseState.UNPAUSED:
+            return self.duplicate_resume_actions(state)
+        return self._resume(state)
+
+    def _resume(self, state: RankSnapshot) -> Result:
+        resumed = replace(
+            state, pause_state=PauseState.UNPAUSED, pause_mode=None, ignore_start_wave=False
+        )
+        if self.lockstep:
+            barrier = ResumeBarrier(has_unfinished=state.has_work)
+            return replace(resumed, phase=_BARRIER), (ResumeScheduler(), barrier)
+        if state.has_work:
+            return replace(resumed, phase=_RUNNING, running=True), (ResumeScheduler(),)
+        return resumed, (ResumeScheduler(), Idle())
+
+    def on_resume_synced(self, state: RankSnapshot, event: ResumeSynced) -> Result:
+        if not event.any_unfinished:
+            return replace(state, phase=_IDLE, running=False), (Idle(),)
+        started = replace(state, phase=_RUNNING, running=True, step_counter=0)
+        announce = (NotifyStartWave(wave=state.wave),) if state.rank == 0 else ()
+        return started, announce
+
+    def on_reconfigured(self, state: RankSnapshot, event: Reconfigured) -> Result:
+        if state.pause_state is not PauseState.PAUSED:
+            raise self.refuse(state, event, "only a paused rank can switch groups")
+        if event.running or event.wave < state.wave or event.step_counter < state.step_counter:
+            raise self.refuse(state, event, "not the group's max of (running, wave, step)")
+        switched = replace(
+            state,
+            rank=event.rank,
+            dp_size=event.dp_size,
+            wave=event.wave,
+            step_counter=event.step_counter,
+        )
+        return switched, ()

@@ -1,0 +1,135 @@
+"""Deliberately broken variants of the protocol, one per guarded rule.
+
+They exist to prove the guards work: the explorer (``--break NAME`` on the command
+line) and the regression tests run each one and must find a violation that the real
+machines never produce. Each variant changes exactly one rule hook of a real machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .coordinator import CoordinatorMachine, CoordinatorSnapshot
+from .rank import (
+    PauseComplete,
+    PauseRequested,
+    PauseState,
+    RankMachine,
+    RankPhase,
+    RankSnapshot,
+    RequestArrived,
+    ResumeBarrier,
+    StartWave,
+    StepDone,
+)
+
+
+class AcceptsStaleCompletion(CoordinatorMachine):
+    """Failure mode 1: a duplicate or stale wave_complete moves the wave."""
+
+    def completion_applies(self, state: CoordinatorSnapshot, wave: int) -> bool:
+        return True
+
+
+class SkipsDummyWhileStalled(RankMachine):
+    """Failure mode 2: no dummy forward when the step scheduled nothing but work remains."""
+
+    def needs_dummy(self, state: RankSnapshot, event: StepDone) -> bool:
+        return not event.executed and not event.has_unfinished
+
+
+class CountsOnlyRealSteps(RankMachine):
+    """Failure mode 3: the step counter drifts (dummy forwards are not counted)."""
+
+    def counts_step(self, event: StepDone) -> bool:
+        return event.executed
+
+
+class ObeysStaleStartWave(RankMachine):
+    """Failure mode 4: START_DP_WAVE re-arms a paused rank."""
+
+    def start_wave_ignored(self, state: RankSnapshot, event: StartWave) -> bool:
+        return event.wave < state.wave or state.running
+
+
+class WakesOnLateRequest(RankMachine):
+    """Failure mode 4: a request arriving after the pause re-arms the rank."""
+
+    def wakes_on_request(self, state: RankSnapshot, event: RequestArrived) -> bool:
+        return not state.asleep
+
+
+class LeavesOwnWakeToBroadcast(RankMachine):
+    """Failure mode 5: the rank that asks for a wave does not run it itself."""
+
+    def runs_own_wake(self) -> bool:
+        return False
+
+
+class LatchesRunningOnFirstRequest(CoordinatorMachine):
+    """Failure mode 6: the coordinator marks the engines running on its own broadcast."""
+
+    def marks_running_on_first_request(self) -> bool:
+        return True
+
+
+class BarrierOnDuplicateResume(RankMachine):
+    """Failure mode 7: a duplicate resume sends the rank into the barrier again."""
+
+    def duplicate_resume_actions(self, state: RankSnapshot) -> tuple[RankSnapshot, tuple[object, ...]]:
+        barrier = ResumeBarrier(has_unfinished=state.has_work)
+        return replace(state, phase=RankPhase.BARRIER), (barrier,)
+
+
+class RepliesToPauseEarly(RankMachine):
+    """Failure mode 8: the pause is reported done before the consensus forward ended."""
+
+    def on_pause(self, state: RankSnapshot, event: PauseRequested) -> tuple[RankSnapshot, tuple[object, ...]]:
+        new_state, actions = super().on_pause(state, event)
+        if state.pause_state is PauseState.PAUSED:
+            return new_state, actions
+        return new_state, (*actions, PauseComplete())
+
+
+class SyncsOnlyEveryInterval(RankMachine):
+    """Failure mode 9: no sync on step 1 of a wave, so a pause costs sync_interval forwards."""
+
+    def sync_due(self, step_counter: int) -> bool:
+        return step_counter % self.sync_interval == 0
+
+
+class WaitsSilently(RankMachine):
+    """Failure mode 10: a request reaching a sleeping or paused rank waits unannounced."""
+
+    def held(self, state: RankSnapshot) -> tuple[object, ...]:
+        return ()
+
+
+class IgnoresRequestForCurrentWave(RankMachine):
+    """Failure mode 11: a request stamped with the rank's own wave does not start it."""
+
+    def wakes_on_request(self, state: RankSnapshot, event: RequestArrived) -> bool:
+        return super().wakes_on_request(state, event) and event.wave != state.wave
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Variant:
+    failure_mode: int
+    rank_class: type[RankMachine] = RankMachine
+    coordinator_class: type[CoordinatorMachine] = CoordinatorMachine
+
+
+VARIANTS: dict[str, Variant] = {
+    "stale_wave_complete": Variant(failure_mode=1, coordinator_class=AcceptsStaleCompletion),
+    "no_dummy_batch": Variant(failure_mode=2, rank_class=SkipsDummyWhileStalled),
+    "step_counter_drift": Variant(failure_mode=3, rank_class=CountsOnlyRealSteps),
+    "stale_start_wave": Variant(failure_mode=4, rank_class=ObeysStaleStartWave),
+    "late_request_wakes": Variant(failure_mode=4, rank_class=WakesOnLateRequest),
+    "no_self_wake": Variant(failure_mode=5, rank_class=LeavesOwnWakeToBroadcast),
+    "coordinator_latches": Variant(failure_mode=6, coordinator_class=LatchesRunningOnFirstRequest),
+    "duplicate_resume_barrier": Variant(failure_mode=7, rank_class=BarrierOnDuplicateResume),
+    "early_pause_reply": Variant(failure_mode=8, rank_class=RepliesToPauseEarly),
+    "no_step_one_sync": Variant(failure_mode=9, rank_class=SyncsOnlyEveryInterval),
+    "silent_wait": Variant(failure_mode=10, rank_class=WaitsSilently),
+    "equal_wave_no_wake": Variant(failure_mode=11, rank_class=IgnoresRequestForCurrentWave),
+}

@@ -1,0 +1,79 @@
+"""Fixtures of the model runtime's tests.
+
+Tiny synthetic models are written once per session. The real model (SmolLM2-135M)
+and the transformers reference are each loaded once per session, since dequantizing
+takes seconds; tests that use them are marked `model` and skip when the default
+model package is absent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from model_test_helpers import (
+    ArgmaxSampler,
+    TinySpec,
+    random_state_dict,
+    write_gguf,
+    write_hf_directory,
+)
+from wavecore.engine.model import ModelExecutor, ModelLoadError, default_model_path, load_executor
+
+
+@pytest.fixture(scope="session")
+def tiny_spec() -> TinySpec:
+    return TinySpec()
+
+
+@pytest.fixture(scope="session")
+def tiny_state(tiny_spec: TinySpec) -> dict[str, torch.Tensor]:
+    return random_state_dict(tiny_spec)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory, tiny_spec: TinySpec, tiny_state) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", tiny_spec, tiny_state)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory, tiny_spec: TinySpec, tiny_state) -> Path:
+    return write_hf_directory(tmp_path_factory.mktemp("tiny-hf"), tiny_spec, tiny_state)
+
+
+@pytest.fixture
+def tiny_executor(tiny_gguf: Path) -> Iterator[ModelExecutor]:
+    executor = load_executor(
+        str(tiny_gguf), device="cpu", kv_cache_memory=64 * 2**10, sampler=ArgmaxSampler()
+    )
+    yield executor
+    executor.close()
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    try:
+        return default_model_path()
+    except ModelLoadError as error:
+        pytest.skip(f"default model unavailable: {error}")
+
+
+@pytest.fixture(scope="session")
+def smollm_executor(smollm_path: Path) -> Iterator[ModelExecutor]:
+    executor = load_executor(
+        str(smollm_path), device="cpu", kv_cache_memory=160 * 2**20, sampler=ArgmaxSampler()
+    )
+    yield executor
+    executor.close()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(smollm_path: Path):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.float32
+    )
+    model.eval()
+    return model

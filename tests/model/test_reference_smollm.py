@@ -1,0 +1,138 @@
+"""SmolLM2-135M (the default model) against transformers loading the same GGUF.
+
+One executor and one transformers model per session (see conftest). Prompts are
+tokenized with a byte-level BPE built from the GGUF's own vocabulary and merges; any
+valid token ids would do, real text just makes the greedy continuations meaningful.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_test_helpers import GreedyRunner
+from wavecore.engine.model import ModelExecutor
+
+pytestmark = pytest.mark.model
+
+TEXTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):\n    ",
+    "List three uses of copper:",
+    "In 1969, the first humans landed on the Moon. The mission was called",
+    "Q: What is 12 times 12?\nA:",
+    "Photosynthesis is the process by which plants " * 6,
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "woodcutter and his daughter. Every morning they walked together to the river, and " * 4,
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm_executor: ModelExecutor) -> list[list[int]]:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    metadata = smollm_executor.source.gguf_metadata
+    vocab = {token: index for index, token in enumerate(metadata["tokenizer.ggml.tokens"])}
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    encoded = [tokenizer.encode(text).ids for text in TEXTS]
+    assert len({len(ids) for ids in encoded}) == len(TEXTS)
+    return encoded
+
+
+def test_default_model_metadata(smollm_executor: ModelExecutor) -> None:
+    source = smollm_executor.source
+    config = smollm_executor.config
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
+        30,
+        576,
+        9,
+        3,
+    )
+    assert (
+        config.vocab_size == 49152 and config.tie_word_embeddings and config.rope_theta == 100000.0
+    )
+    assert source.eos_token_id == 2 and source.context_length == 8192
+    assert "<|im_start|>" in source.chat_template
+
+
+def test_prefill_logits_match_transformers(smollm_executor, hf_reference, prompts) -> None:
+    runner = GreedyRunner(smollm_executor)
+    requests = [runner.add(p, 1) for p in prompts]
+    from wavecore.engine.batch import ModelBatch, SequenceChunk
+    from wavecore.engine.sampling_params import SamplingParams
+
+    batch = ModelBatch(
+        chunks=tuple(
+            SequenceChunk(
+                request_id=r.request_id,
+                token_ids=r.prompt,
+                start_pos=0,
+                block_table=r.block_table,
+                sample=True,
+                sampling=SamplingParams(temperature=0.0),
+                all_token_ids=r.prompt,
+                prompt_len=len(r.prompt),
+            )
+            for r in requests
+        )
+    )
+    ours = smollm_executor.compute_logits(batch)
+    with torch.inference_mode():
+        for row, prompt in enumerate(prompts):
+            reference = hf_reference(torch.tensor([prompt])).logits[0, -1]
+            difference = (ours[row] - reference).abs().max().item()
+            assert difference < 1e-3, (row, difference)
+
+
+def test_greedy_continuations_match_transformers(smollm_executor, hf_reference, prompts) -> None:
+    runner = GreedyRunner(smollm_executor)
+    requests = [runner.add(p, NEW_TOKENS) for p in prompts]
+    runner.run(requests)
+
+    # transformers generates all prompts in one left-padded batch.
+    longest = max(len(p) for p in prompts)
+    pad = hf_reference.config.pad_token_id
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        generated = hf_reference.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+    reference = generated[:, longest:].tolist()
+    identical = sum(r.output == ref for r, ref in zip(requests, reference, strict=True))
+    assert identical >= 7, [(r.output, ref) for r, ref in zip(requests, reference, strict=True)]
+
+
+def test_greedy_output_is_batch_invariant(smollm_executor, prompts) -> None:
+    subject = prompts[7]
+    runner = GreedyRunner(smollm_executor, seed=1)
+    alone = runner.add(subject, 16)
+    runner.run([alone])
+
+    others = [p[: 1 + (7 * i) % len(p)] for i, p in enumerate(prompts * 4)][:31]
+    runner = GreedyRunner(smollm_executor, seed=2)
+    batch = [runner.add(subject, 16)] + [runner.add(p, 16) for p in others]
+    runner.run(batch)
+    assert batch[0].output == alone.output
+
+    for chunk_size in (5, 64):
+        runner = GreedyRunner(smollm_executor, seed=chunk_size)
+        chunked = runner.add(subject, 16)
+        runner.run([chunked, runner.add(prompts[0], 16)], chunk_size=chunk_size)
+        assert chunked.output == alone.output, chunk_size
+
+    runner = GreedyRunner(smollm_executor, seed=4)
+    first = runner.add(subject, 16)
+    runner.run([first])
+    cached = runner.add(subject, 16, share_prefix_of=first, shared_blocks=len(subject) // 16)
+    assert cached.computed >= 64
+    runner.run([cached])
+    assert cached.output == alone.output
