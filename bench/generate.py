@@ -30,11 +30,6 @@ from wavecore.engine.latency import RequestTimer, RunSummary
 from wavecore.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WORDS = (
-    "the engine schedules requests in waves while ranks step together and pause by "
-    "consensus before they sleep wake and scale as load changes over the day so every "
-    "token streams back in order to the caller who asked for it"
-).split()
 
 
 def make_prompts(count: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -113,8 +108,13 @@ class TransformersPeer:
             group_timers = [RequestTimer() for _ in group]
 
             class StepClock(LogitsProcessor):
+                """Called once per generated position: each sequence got a token."""
+
+                def __init__(self, timers: list[RequestTimer]) -> None:
+                    self.timers = timers
+
                 def __call__(self, input_ids, scores):  # type: ignore[no-untyped-def]
-                    for timer in group_timers:
+                    for timer in self.timers:
                         timer.tokens_arrived(1)
                     return scores
 
@@ -126,7 +126,7 @@ class TransformersPeer:
                     min_new_tokens=new_tokens,
                     do_sample=False,
                     pad_token_id=pad,
-                    logits_processor=LogitsProcessorList([StepClock()]),
+                    logits_processor=LogitsProcessorList([StepClock(group_timers)]),
                 )
             outputs += (out.shape[1] - longest) * len(group)
             timers += group_timers

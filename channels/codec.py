@@ -1,6 +1,7 @@
 """The strict CBOR wire format: messages, batch frames, limits.
 
-A *message* encodes to one CBOR data item, `tag([fields...])` (see `registry`). A
+A *message* encodes to one CBOR data item, `tag([fields...])` (see `registry`; the
+bytes are written by `writer`, which sends long int sequences as typed arrays). A
 *frame* is what one nng message carries: either a single message or a batch,
 `30000([message, message, ...])`, built by concatenating already-encoded messages behind
 an array header (no re-encoding). Frames are decoded in one cbor2 pass with a tag hook:
@@ -22,20 +23,42 @@ from collections.abc import Iterable
 from typing import Any
 
 import cbor2
-import numpy as np
 
 from .builtin_messages import TAG_BATCH
 from .errors import DecodeError, EncodeError
 from .fields import Rejected
 from .registry import MessageRegistry, default_registry
-from .typed_arrays import TYPED_ARRAY_TAGS, decode_array_tag, encode_numpy, encode_torch, is_torch_tensor
+from .typed_arrays import TYPED_ARRAY_TAGS, decode_array_tag
 
 DEFAULT_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
 DEFAULT_MAX_DEPTH = 32
 
 # cbor2 decodes these tags itself; strict decoding refuses them all (28/29 could even build
 # cyclic structures).
-_CBOR2_SEMANTIC_TAGS = (0, 1, 2, 3, 4, 5, 25, 28, 29, 30, 35, 36, 37, 52, 54, 100, 256, 258, 260, 261, 1004, 55799)
+_CBOR2_SEMANTIC_TAGS = (
+    0,
+    1,
+    2,
+    3,
+    4,
+    5,
+    25,
+    28,
+    29,
+    30,
+    35,
+    36,
+    37,
+    52,
+    54,
+    100,
+    256,
+    258,
+    260,
+    261,
+    1004,
+    55799,
+)
 
 
 def _refuse_tag(tag: int) -> Any:
@@ -85,18 +108,17 @@ class Codec:
         self.max_depth = max_depth
         self._decoders = registry.decoders
         self._classes = registry.encoders.keys()
+        self._encode = registry.writer.encode
 
     # -- encoding ------------------------------------------------------------------------
 
     def encode(self, message: object) -> bytes:
         """One registered message as a CBOR data item (also a valid single-message frame)."""
-        if type(message) not in self._classes:
-            raise EncodeError(f"{type(message).__qualname__} is not a registered message type")
         try:
-            return cbor2.dumps(message, encoders=self.registry.encoders, default=_encode_other)
+            return self._encode(message)
         except EncodeError:
             raise
-        except (cbor2.CBOREncodeError, TypeError, ValueError, OverflowError) as error:
+        except (TypeError, ValueError, OverflowError) as error:
             raise EncodeError(f"cannot encode {type(message).__qualname__}: {error}") from None
 
     @staticmethod
@@ -189,12 +211,3 @@ def _kind(value: object) -> str:
     if isinstance(value, _BatchItems):
         return "a nested batch"
     return f"a bare {type(value).__name__}"
-
-
-def _encode_other(encoder: Any, value: Any) -> None:
-    if isinstance(value, np.ndarray):
-        encoder.encode(encode_numpy(value))
-    elif is_torch_tensor(value):
-        encoder.encode(encode_torch(value))
-    else:
-        raise EncodeError(f"{type(value).__qualname__} values cannot be sent (not registered)")

@@ -9,7 +9,8 @@ constructed.
 Supported hints: int, float (accepts CBOR integers), str, bytes, bool, None,
 `X | None` / `Optional[X]`, `tuple[X, ...]`, `tuple[X, Y]`, `list[X]`, `dict[str, X]`,
 registered dataclasses, `enum.IntEnum` / `enum.StrEnum` subclasses, `numpy.ndarray`,
-`torch.Tensor`.
+`torch.Tensor`. A `tuple[int, ...]` / `list[int]` field also accepts a one-dimensional
+integer typed array (how `writer` sends long int sequences) and returns its ints.
 """
 
 from __future__ import annotations
@@ -88,31 +89,29 @@ def _elements(inner: FieldCheck, kind: str) -> Callable[[Any], list[Any]]:
     return check_all
 
 
-def _int_sequence(value: Any) -> bool:
-    """Fast path for the most common field, a sequence of token ids."""
-    for item in value:
-        if type(item) is not int:
-            return False
-    return True
-
-
-def _variadic_tuple(inner: FieldCheck, is_int: bool) -> FieldCheck:
+def _variadic_tuple(inner: FieldCheck, unchanged: frozenset[type], is_int: bool) -> FieldCheck:
     check_all = _elements(inner, "tuple")
 
     def check(value: Any) -> tuple[Any, ...]:
-        if is_int and type(value) is tuple and _int_sequence(value):
+        # Fast path: every item already has a type its check returns unchanged (one
+        # C-level pass over the types instead of a check call per item).
+        if type(value) is tuple and set(map(type, value)) <= unchanged:
             return value
+        if is_int and type(value) is DecodedArray:
+            return tuple(value.ints())
         return tuple(check_all(value))
 
     return check
 
 
-def _list(inner: FieldCheck, is_int: bool) -> FieldCheck:
+def _list(inner: FieldCheck, unchanged: frozenset[type], is_int: bool) -> FieldCheck:
     check_all = _elements(inner, "list")
 
     def check(value: Any) -> list[Any]:
-        if is_int and type(value) is tuple and _int_sequence(value):
+        if type(value) is tuple and set(map(type, value)) <= unchanged:
             return list(value)
+        if is_int and type(value) is DecodedArray:
+            return value.ints()
         return check_all(value)
 
     return check
@@ -155,7 +154,9 @@ def _dict(inner: FieldCheck) -> FieldCheck:
 def _enum(cls: type[enum.Enum], carrier: type) -> FieldCheck:
     def check(value: Any) -> Any:
         if type(value) is not carrier:
-            raise DecodeError(f"expected {cls.__name__} as {carrier.__name__}, got {_describe(value)}")
+            raise DecodeError(
+                f"expected {cls.__name__} as {carrier.__name__}, got {_describe(value)}"
+            )
         try:
             return cls(value)
         except ValueError:
@@ -193,6 +194,45 @@ def _is_torch_tensor_type(hint: object) -> bool:
 _EXACT = {int: _exact(int), str: _exact(str), bytes: _exact(bytes), bool: _exact(bool)}
 
 
+def field_kind(hint: Any) -> str:
+    """How `writer` writes a field: "str", "int", "ints" (sent as a typed array when
+    long: `tuple[int, ...]` / `list[int]`) or "any"."""
+    if hint is str or hint is int:
+        return hint.__name__
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if (origin is tuple and args == (int, Ellipsis)) or (origin is list and args == (int,)):
+        return "ints"
+    return "any"
+
+
+def _unchanged_types(hint: Any) -> frozenset[type]:
+    """The value types that `hint`'s check returns as they are (maybe none)."""
+    if hint in _EXACT or hint is float or _is_message_type(hint):
+        return frozenset({hint})
+    if hint is None or hint is type(None):
+        return frozenset({type(None)})
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        others = [arg for arg in args if arg is not type(None)]
+        if len(others) == 1 and len(args) == 2:
+            return _unchanged_types(others[0]) | {type(None)}
+    return frozenset()
+
+
+def exact_type(hint: Any) -> type | None:
+    """The one type whose values a field's check returns unchanged, if there is one.
+
+    The message decoder skips the check for values of exactly this type.
+    """
+    unchanged = _unchanged_types(hint)
+    return next(iter(unchanged)) if len(unchanged) == 1 else None
+
+
+def _is_message_type(hint: Any) -> bool:
+    # Decoded bottom-up, a nested message is already an instance of its class.
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
 def compile_check(hint: Any, where: str) -> FieldCheck:
     """The checker for one type hint; `where` names the field in registration errors."""
     if hint in _EXACT:
@@ -214,12 +254,14 @@ def compile_check(hint: Any, where: str) -> FieldCheck:
         raise RegistrationError(f"{where}: only `X | None` unions are supported, got {hint}")
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
-            return _variadic_tuple(compile_check(args[0], where), args[0] is int)
+            return _variadic_tuple(
+                compile_check(args[0], where), _unchanged_types(args[0]), args[0] is int
+            )
         if not args or Ellipsis in args:
             raise RegistrationError(f"{where}: tuple hints need item types, got {hint}")
         return _fixed_tuple(tuple(compile_check(arg, where) for arg in args))
     if origin is list and len(args) == 1:
-        return _list(compile_check(args[0], where), args[0] is int)
+        return _list(compile_check(args[0], where), _unchanged_types(args[0]), args[0] is int)
     if origin is dict and len(args) == 2:
         if args[0] is not str:
             raise RegistrationError(f"{where}: dict keys must be str, got {hint}")

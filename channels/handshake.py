@@ -27,9 +27,7 @@ def config_hash(config: Any) -> str:
         raise TypeError(f"config_hash needs plain data: {error}") from None
 
 
-def _mismatches(
-    mine: tuple[int, int, str, str], theirs: tuple[int, int, str, str]
-) -> list[str]:
+def _mismatches(mine: tuple[int, int, str, str], theirs: tuple[int, int, str, str]) -> list[str]:
     names = ("wire_version", "protocol_version", "config_hash", "registry_fingerprint")
     return [
         f"{name}: ours {ours!r}, theirs {their!r}"

@@ -17,7 +17,9 @@ blocking the nng thread, which `close` waits for).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket as stdlib_socket
 import threading
 from typing import Any
 
@@ -46,10 +48,9 @@ class PipeWatch:
     def _notify(self, delta: int) -> None:
         with self._lock:
             self._connected += delta
-        try:
+        # A full pipe means a wake-up is already pending; an error means we are closing.
+        with contextlib.suppress(OSError):
             os.write(self._write_fd, b"\x01")
-        except (BlockingIOError, OSError):
-            pass  # a wake-up is already pending, or we are closing
 
     def _on_connect(self, pipe: pynng.Pipe) -> None:
         self._notify(1)
@@ -60,10 +61,8 @@ class PipeWatch:
     async def wait_connected(self, peers: int) -> None:
         while self.connected < peers:
             await anyio.wait_readable(self._read_fd)
-            try:
+            with contextlib.suppress(BlockingIOError):
                 os.read(self._read_fd, 4096)
-            except BlockingIOError:
-                pass
         await anyio.lowlevel.checkpoint()
 
     def close(self) -> None:
@@ -166,5 +165,6 @@ def bound_address(listener: Any, requested: str) -> str:
         scheme = requested.split("://", 1)[0]
         local = listener.local_address
         host = requested.split("://", 1)[1].rsplit(":", 1)[0]
-        return f"{scheme}://{host}:{local.port}"
+        # pynng reports the port in network byte order.
+        return f"{scheme}://{host}:{stdlib_socket.ntohs(local.port)}"
     return requested

@@ -2,8 +2,10 @@
 
 A message is `tag([field0, field1, ...])`: a CBOR tag naming the class around a
 positional array of its fields in declaration order (never a map of field names). The
-registry compiles, once per class, an encoder (a C-level attribute getter) and a decoder
-(one `FieldCheck` per field, see `fields`), so the hot path does no introspection.
+registry compiles, once per class, a writer (generated code, see `writer.CborWriter`;
+long int-sequence fields become typed arrays) and a decoder (generated straight-line
+code around one `FieldCheck` per field, see `fields`), so the hot path does no
+introspection.
 
 Tag plan (all in CBOR's first-come-first-served range; tags below 30000 are IANA's and
 are never registered here):
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import operator
+import types
 import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -29,7 +32,8 @@ from typing import Any, TypeVar
 import cbor2
 
 from .errors import DecodeError, RegistrationError
-from .fields import FieldCheck, Rejected, compile_check
+from .fields import FieldCheck, Rejected, compile_check, exact_type, field_kind
+from .writer import CborWriter
 
 T = TypeVar("T")
 
@@ -67,10 +71,12 @@ class MessageRegistry:
     def __init__(self) -> None:
         self._by_tag: dict[int, MessageType] = {}
         self._by_class: dict[type, MessageType] = {}
-        # Handed to cbor2 as-is: {class: encoder(encoder, value)}.
+        # `Codec` encodes with `writer`; `encoders` is for tools that call cbor2 directly
+        # ({class: encoder(encoder, value)}, without typed-array int sequences).
         self.encoders: dict[type, Callable[[Any, Any], None]] = {}
+        self.writer = CborWriter()
         self.decoders: dict[int, MessageDecoder] = {}
-        from . import builtin_messages  # noqa: PLC0415 - the built-ins need this class
+        from . import builtin_messages
 
         builtin_messages.register_builtins(self)
 
@@ -127,7 +133,9 @@ class MessageRegistry:
                 f"tag {tag} is already taken by {self._by_tag[tag].cls.__qualname__}"
             )
         if cls in self._by_class:
-            raise RegistrationError(f"{name} is already registered with tag {self._by_class[cls].tag}")
+            raise RegistrationError(
+                f"{name} is already registered with tag {self._by_class[cls].tag}"
+            )
         fields = dataclasses.fields(cls)
         if any(not field.init for field in fields):
             raise RegistrationError(f"{name}: every field must be an __init__ field")
@@ -142,11 +150,12 @@ class MessageRegistry:
             tag=tag,
             field_names=names,
             field_hints=tuple(repr(hints[n]) for n in names),
-            decode=_message_decoder(cls, names, checks),
+            decode=_message_decoder(cls, names, checks, tuple(exact_type(hints[n]) for n in names)),
         )
         self._by_tag[tag] = entry
         self._by_class[cls] = entry
         self.encoders[cls] = _message_encoder(tag, names)
+        self.writer.add_message(cls, tag, tuple((n, field_kind(hints[n])) for n in names))
         self.decoders[tag] = entry.decode
 
 
@@ -172,31 +181,83 @@ def _message_encoder(tag: int, names: tuple[str, ...]) -> Callable[[Any, Any], N
 
 
 def _message_decoder(
-    cls: type, names: tuple[str, ...], checks: tuple[FieldCheck, ...]
+    cls: type,
+    names: tuple[str, ...],
+    checks: tuple[FieldCheck, ...],
+    exact: tuple[type | None, ...],
 ) -> MessageDecoder:
+    """Generate the decoder of one class: unpack, check each field, construct.
+
+    The source is generated (as `dataclasses` does for `__init__`) so that the hot path is
+    straight-line code: a field whose value already has its hint's exact type (str, int,
+    bytes, bool) costs one `type(x) is T` test, any other goes through its `FieldCheck`.
+    Field errors reject only this message (`Rejected`), so that the rest of a batch frame
+    still arrives; structural garbage elsewhere fails the whole frame.
+    """
     type_name = cls.__qualname__
-    count = len(names)
-    pairs = tuple(zip(names, checks, strict=True))
+    namespace: dict[str, Any] = {
+        "cls": cls,
+        "type_name": type_name,
+        "Rejected": Rejected,
+        "DecodeError": DecodeError,
+    }
+    lines = [
+        "def decode(value):",
+        "    if type(value) is not tuple:",
+        "        return Rejected(type_name, 'expected a positional array of fields')",
+        f"    if len(value) != {len(names)}:",
+        f"        return Rejected(type_name, f'expected {len(names)} fields, got {{len(value)}}')",
+    ]
+    if names:
+        lines.append(f"    {''.join(f'f{i}, ' for i in range(len(names)))}= value")
+    for index, (name, check, exact_kind) in enumerate(zip(names, checks, exact, strict=True)):
+        namespace[f"check{index}"] = check
+        namespace[f"exact{index}"] = exact_kind
+        namespace[f"where{index}"] = f"field {name!r}: "
+        test = "" if exact_kind is None else f"if type(f{index}) is not exact{index}: "
+        lines += [
+            "    try:",
+            f"        {test}f{index} = check{index}(f{index})",
+            "    except DecodeError as error:",
+            f"        return Rejected(type_name, where{index} + error.reason)",
+        ]
+    if _plain_slotted_init(cls, names):
+        # The generated __init__ would only store the fields: store them straight into the
+        # slots (a frozen __init__ pays for object.__setattr__ and keyword parsing).
+        namespace["new"] = object.__new__
+        lines.append("    message = new(cls)")
+        for index, name in enumerate(names):
+            namespace[f"store{index}"] = cls.__dict__[name].__set__
+            lines.append(f"    store{index}(message, f{index})")
+        lines.append("    return message")
+    else:
+        arguments = ", ".join(f"{name}=f{index}" for index, name in enumerate(names))
+        lines += [
+            "    try:",
+            f"        return cls({arguments})",
+            "    except (TypeError, ValueError) as error:",
+            "        return Rejected(type_name, f'rejected by {type_name}: {error}')",
+        ]
+    # The source is built above from field names (identifiers) and indices only.
+    exec("\n".join(lines), namespace)
+    return namespace["decode"]
 
-    def decode(value: Any) -> Any:
-        # Field errors reject only this message (`Rejected`), so that the rest of a batch
-        # frame still arrives; structural garbage elsewhere fails the whole frame.
-        if type(value) is not tuple:
-            return Rejected(type_name, "expected a positional array of fields")
-        if len(value) != count:
-            return Rejected(type_name, f"expected {count} fields, got {len(value)}")
-        kwargs = {}
-        for (name, check), item in zip(pairs, value):
-            try:
-                kwargs[name] = check(item)
-            except DecodeError as error:
-                return Rejected(type_name, f"field {name!r}: {error.reason}")
-        try:
-            return cls(**kwargs)
-        except (TypeError, ValueError) as error:
-            return Rejected(type_name, f"rejected by {type_name}: {error}")
 
-    return decode
+def _plain_slotted_init(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether `cls(**fields)` would do nothing but store each field in its slot.
+
+    True for a slotted dataclass whose `__init__` is the one `dataclasses` generated (its
+    code comes from `exec`, file "<string>") and that has no `__post_init__`.
+    """
+    init = cls.__dict__.get("__init__")
+    code = getattr(init, "__code__", None)
+    return (
+        code is not None
+        and code.co_filename == "<string>"
+        and cls.__dataclass_params__.init  # type: ignore[attr-defined]
+        and not hasattr(cls, "__post_init__")
+        and all(isinstance(cls.__dict__.get(name), types.MemberDescriptorType) for name in names)
+    )
 
 
 default_registry = MessageRegistry()

@@ -40,7 +40,9 @@ def _attach(socket: pynng.Socket, listen: str | None, dial: str | None) -> str:
         return dial  # type: ignore[return-value]
     except pynng.NNGException as error:
         socket.close()
-        raise OSError(f"cannot {'listen on' if listen else 'dial'} {listen or dial}: {error}") from error
+        raise OSError(
+            f"cannot {'listen on' if listen else 'dial'} {listen or dial}: {error}"
+        ) from error
 
 
 def _receive_options(codec: Codec, recv_buffer_size: int) -> dict[str, Any]:
@@ -217,16 +219,22 @@ async def _stream(
         await stream.aclose()
 
 
-def open_pair(*, listen: str | None = None, dial: str | None = None, codec: Codec | None = None) -> Any:
+def open_pair(
+    *, listen: str | None = None, dial: str | None = None, codec: Codec | None = None
+) -> Any:
     """`async with open_pair(...) as stream`: a bidirectional PAIR `MessageStream`."""
     return _stream(pynng.Pair0(), listen=listen, dial=dial, codec=codec)
 
 
-def open_req(*, listen: str | None = None, dial: str | None = None, codec: Codec | None = None) -> Any:
+def open_req(
+    *, listen: str | None = None, dial: str | None = None, codec: Codec | None = None
+) -> Any:
     """REQ: `send` one request, then `receive` its reply."""
     return _stream(pynng.Req0(), listen=listen, dial=dial, codec=codec)
 
 
-def open_rep(*, listen: str | None = None, dial: str | None = None, codec: Codec | None = None) -> Any:
+def open_rep(
+    *, listen: str | None = None, dial: str | None = None, codec: Codec | None = None
+) -> Any:
     """REP: `receive` a request, then `send` its reply."""
     return _stream(pynng.Rep0(), listen=listen, dial=dial, codec=codec)

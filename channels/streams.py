@@ -2,14 +2,16 @@
 
 * `MessageSender` (PUSH, PUB) implements `anyio.abc.ObjectSendStream`. It coalesces:
   `send` encodes at once (so a bad message fails in the caller) and appends the bytes to a
-  pending batch without yielding; a flusher task sends the whole batch as ONE frame when
+  pending batch without yielding (checking for cancellation every 64 messages); a flusher task sends the whole batch as ONE frame when
   the event loop next gets to it (once per tick). Backpressure: when the batch holds
   `max_batch_messages` messages or `max_batch_bytes` bytes, `send` flushes it itself and
   waits until nng accepts the frame, so memory stays bounded by the batch, nng's
   `send_buffer_size` frames, and the peer's `recv_buffer_size` frames. PUB never blocks
   (nng drops frames for subscribers that are too slow).
 * `MessageReceiver` (PULL, SUB) implements `anyio.abc.ObjectReceiveStream`: it receives
-  a frame and yields its messages one by one. A frame that fails to decode, or a rejected
+  a frame and yields its messages one by one. `receive` checks for cancellation and lets
+  other tasks run when it waits for a frame and every 64 messages of a batch; in between
+  it hands out already-decoded messages without an event-loop round each. A frame that fails to decode, or a rejected
   message inside a batch, raises `DecodeError` from `receive` (or goes to `on_invalid`
   and is skipped); the channel stays usable either way.
 * `MessageStream` (PAIR, REQ, REP) implements `anyio.abc.ObjectStream`, one frame per
@@ -44,6 +46,9 @@ from .nng_io import NngIO
 
 TOPIC_SEPARATOR = b"\x00"
 InvalidHandler = Callable[[DecodeError], None]
+# How many messages `send` / `receive` may handle without waiting before they check for
+# cancellation (and, receiving, let other tasks run); see the module docstring.
+_CHECKPOINT_EVERY = 64
 
 
 class _FrameReader:
@@ -66,6 +71,7 @@ class _FrameReader:
         self._ends_left = expected_end_of_streams
         self._on_invalid = on_invalid
         self._ready: deque[tuple[str, Any]] = deque()
+        self._since_yield = 0
         self.frames_received = 0
 
     async def receive(self) -> tuple[str, Any]:
@@ -73,7 +79,14 @@ class _FrameReader:
             if self._io.closed:
                 raise anyio.ClosedResourceError
             if self._ready:
-                await anyio.lowlevel.checkpoint()
+                # A batch frame holds thousands of messages, already decoded: handing one
+                # out is synchronous, and a checkpoint per message cost more than decoding
+                # it. So check for cancellation and let other tasks run every
+                # `_CHECKPOINT_EVERY` messages (and whenever we wait for a frame).
+                self._since_yield += 1
+                if self._since_yield >= _CHECKPOINT_EVERY:
+                    self._since_yield = 0
+                    await anyio.lowlevel.checkpoint()
                 topic, item = self._ready.popleft()
                 if type(item) is DecodeError and self._on_invalid is None:
                     raise item
@@ -142,7 +155,8 @@ class MessageSender(anyio.abc.ObjectSendStream[Any]):
         self._linger = linger
         self._pending: list[tuple[str, bytes]] = []
         self._pending_bytes = 0
-        self._flush_lock = anyio.Lock()
+        self._since_check = 0
+        self._flush_lock = anyio.Lock(fast_acquire=True)
         self._wake = anyio.Event()
         self._eof_sent = False
         self._failure: Exception | None = None
@@ -187,7 +201,10 @@ class MessageSender(anyio.abc.ObjectSendStream[Any]):
                 f"message of {len(encoded)} bytes exceeds max_message_size "
                 f"{self.codec.max_message_size}"
             )
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        self._since_check += 1
+        if self._since_check >= _CHECKPOINT_EVERY:
+            self._since_check = 0
+            await anyio.lowlevel.checkpoint_if_cancelled()
         if self._pending_bytes + len(encoded) > self._max_bytes:
             await self.flush()
         self._pending.append((topic, encoded))

@@ -16,13 +16,13 @@ its own pair; timeouts are hang guards only.
 
 from __future__ import annotations
 
-import cbor2
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import cbor2
 
 from .codec import Codec
 from .errors import DecodeError, MessageTooLargeError
@@ -47,6 +47,17 @@ class Numbered:
 async def _receive_all(receiver: Any, into: list[Any]) -> None:
     async for message in receiver:
         into.append(message)
+
+
+async def _close_sender_while_draining(sender: Any, receiver: Any) -> None:
+    """Close the sender while the receiver reads up to the end of stream (no linger)."""
+    leftovers: list[Any] = []
+    with anyio.fail_after(HANG_GUARD_SECONDS):
+        async with anyio.create_task_group() as group:
+            group.start_soon(_receive_all, receiver, leftovers)
+            await sender.aclose()
+    if leftovers:
+        raise AssertionError(f"unexpected messages at close: {leftovers!r}")
 
 
 async def check_ordering_batching_and_end(factory: PairFactory) -> None:
@@ -99,6 +110,7 @@ async def check_cancellation(factory: PairFactory) -> None:
             message = await receiver.receive()
         if message != Numbered(seq=7):
             raise AssertionError(f"after cancellation got {message!r}")
+        await _close_sender_while_draining(sender, receiver)
 
 
 async def check_garbage_and_oversize(factory: PairFactory) -> None:
@@ -136,6 +148,7 @@ async def check_garbage_and_oversize(factory: PairFactory) -> None:
             await sender.send(Numbered(seq=5))
             if await receiver.receive() != Numbered(seq=5):
                 raise AssertionError("the channel is unusable after bad input")
+        await _close_sender_while_draining(sender, receiver)
 
 
 async def check_channel_pair(factory: PairFactory) -> None:

@@ -10,16 +10,20 @@ payload length, then wraps the received byte string without copying
 (`np.frombuffer` / `torch.frombuffer`). Such arrays are read-only views of the frame: copy
 them (`array.copy()`, `tensor.clone()`) before writing in place.
 
+Encoding is done by `writer` (which also sends long int sequences as plain 1-D typed
+arrays); this module holds the tag plan and the decoding side. `DecodedArray` keeps the
+payload bytes until a field asks for numpy, torch or a list of ints.
+
 torch is optional: it is imported only when a tensor field is registered or a tensor is
 decoded; encoding recognises a tensor only if torch is already imported.
 """
 
 from __future__ import annotations
 
+import array
 import math
 import sys
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import cbor2
@@ -51,14 +55,72 @@ _DTYPE_BY_TAG: dict[int, np.dtype[Any]] = {
 # Marked dtypes: the dtype name on the wire -> the carrier dtype it travels as.
 _MARKED_CARRIERS = {"bool": "uint8", "bfloat16": "uint16"}
 TYPED_ARRAY_TAGS = frozenset(_DTYPE_BY_TAG) | {TAG_MULTI_DIM_ARRAY, TAG_DTYPE_MARKER}
+# Integer typed arrays by tag -> the stdlib `array` typecode of the same width here (a
+# platform where one is missing cannot receive that dtype into an int sequence).
+_INT_CODE_BY_TAG = {
+    _TAG_BY_DTYPE[name]: code
+    for name, code in (
+        ("uint8", "B"),
+        ("int8", "b"),
+        ("uint16", "H"),
+        ("int16", "h"),
+        ("uint32", "I"),
+        ("int32", "i"),
+        ("uint64", "Q"),
+        ("int64", "q"),
+    )
+    if array.array(code).itemsize == np.dtype(name).itemsize
+}
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
-@dataclass(frozen=True, slots=True)
 class DecodedArray:
-    """A received array before the field type decides between numpy and torch."""
+    """A received array before the field type decides between numpy, torch or int list.
 
-    array: np.ndarray
-    marked_dtype: str | None = None  # "bool" or "bfloat16" when the carrier differs
+    It keeps the payload bytes and builds the numpy view only when asked (`array`), so an
+    int sequence (see `ints`) never pays for numpy. Built only by `decode_array_tag`,
+    after the payload length and dims have been checked against the dtype.
+    """
+
+    __slots__ = ("data", "marked_dtype", "shape", "tag")
+
+    def __init__(
+        self,
+        data: bytes,
+        tag: int,  # the RFC 8746 typed-array tag, which names the dtype
+        shape: tuple[int, ...] | None = None,
+        marked_dtype: str | None = None,  # "bool" or "bfloat16" when the carrier differs
+    ) -> None:
+        self.data = data
+        self.tag = tag
+        self.shape = shape  # None: one-dimensional, straight from a typed-array tag
+        self.marked_dtype = marked_dtype
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return _DTYPE_BY_TAG[self.tag]
+
+    @property
+    def array(self) -> np.ndarray:
+        flat = np.frombuffer(self.data, dtype=self.dtype)
+        return flat if self.shape is None else flat.reshape(self.shape)
+
+    def ints(self) -> list[int]:
+        """The elements of a one-dimensional integer array as Python ints."""
+        code = _INT_CODE_BY_TAG.get(self.tag)
+        if code is None or self.marked_dtype is not None:
+            raise DecodeError(
+                f"expected int, got a typed array of {self.marked_dtype or self.dtype.name}"
+            )
+        if self.shape is not None and len(self.shape) != 1:
+            raise DecodeError(
+                f"expected a one-dimensional int array, got {len(self.shape)} dimensions"
+            )
+        values = array.array(code)
+        values.frombytes(self.data)
+        if _BIG_ENDIAN:
+            values.byteswap()
+        return values.tolist()
 
     def to_numpy(self) -> np.ndarray:
         if self.marked_dtype == "bfloat16":
@@ -82,39 +144,12 @@ class DecodedArray:
         return tensor
 
 
-def _typed_array(array: np.ndarray) -> cbor2.CBORTag:
-    name = array.dtype.name
-    tag = _TAG_BY_DTYPE.get(name)
+def typed_array_tag(dtype: np.dtype[Any]) -> int:
+    """The RFC 8746 little-endian tag for arrays of `dtype` (see `writer`)."""
+    tag = _TAG_BY_DTYPE.get(dtype.name)
     if tag is None:
-        raise EncodeError(f"arrays of dtype {array.dtype} cannot be sent (no RFC 8746 tag)")
-    little = array.astype(array.dtype.newbyteorder("<"), copy=False)
-    return cbor2.CBORTag(
-        TAG_MULTI_DIM_ARRAY,
-        [list(array.shape), cbor2.CBORTag(tag, np.ascontiguousarray(little).tobytes())],
-    )
-
-
-def encode_numpy(array: np.ndarray) -> cbor2.CBORTag:
-    """The CBOR form of a numpy array (bool arrays get a dtype marker)."""
-    if array.dtype == np.bool_:
-        return cbor2.CBORTag(TAG_DTYPE_MARKER, ["bool", _typed_array(array.view(np.uint8))])
-    return _typed_array(array)
-
-
-def encode_torch(tensor: Any) -> cbor2.CBORTag:
-    """The CBOR form of a CPU or device tensor (copied to host memory first)."""
-    import torch
-
-    host = tensor.detach().to("cpu").contiguous()
-    if host.dtype == torch.bfloat16:
-        carrier = host.view(torch.uint16).numpy()
-        return cbor2.CBORTag(TAG_DTYPE_MARKER, ["bfloat16", _typed_array(carrier)])
-    return encode_numpy(host.numpy())
-
-
-def is_torch_tensor(value: object) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
+        raise EncodeError(f"arrays of dtype {dtype} cannot be sent (no RFC 8746 tag)")
+    return tag
 
 
 def decode_array_tag(tag: cbor2.CBORTag) -> DecodedArray:
@@ -133,7 +168,7 @@ def decode_array_tag(tag: cbor2.CBORTag) -> DecodedArray:
         raise DecodeError(
             f"typed array of {dtype.name}: {len(value)} bytes is not a multiple of {dtype.itemsize}"
         )
-    return DecodedArray(np.frombuffer(value, dtype=dtype))
+    return DecodedArray(value, number)
 
 
 def _decode_multi_dim(value: object) -> DecodedArray:
@@ -142,11 +177,12 @@ def _decode_multi_dim(value: object) -> DecodedArray:
     dims, flat = value
     if type(dims) is not tuple or any(type(d) is not int or d < 0 for d in dims):
         raise DecodeError("tag 40 dims must be an array of non-negative integers")
-    if not isinstance(flat, DecodedArray) or flat.marked_dtype is not None:
+    if type(flat) is not DecodedArray or flat.marked_dtype is not None or flat.shape is not None:
         raise DecodeError("tag 40 must wrap a typed array")
-    if math.prod(dims) != flat.array.size:
-        raise DecodeError(f"tag 40 dims {list(dims)} do not match {flat.array.size} elements")
-    return DecodedArray(flat.array.reshape(dims))
+    size = len(flat.data) // flat.dtype.itemsize
+    if math.prod(dims) != size:
+        raise DecodeError(f"tag 40 dims {list(dims)} do not match {size} elements")
+    return DecodedArray(flat.data, flat.tag, dims)
 
 
 def _decode_marked(value: object) -> DecodedArray:
@@ -156,8 +192,8 @@ def _decode_marked(value: object) -> DecodedArray:
     carrier = _MARKED_CARRIERS.get(name) if type(name) is str else None
     if carrier is None:
         raise DecodeError(f"unknown marked dtype {name!r}")
-    if not isinstance(inner, DecodedArray) or inner.marked_dtype is not None:
+    if type(inner) is not DecodedArray or inner.marked_dtype is not None:
         raise DecodeError(f"tag {TAG_DTYPE_MARKER} must wrap an array")
-    if inner.array.dtype.name != carrier:
-        raise DecodeError(f"{name} arrays must travel as {carrier}, got {inner.array.dtype.name}")
-    return DecodedArray(inner.array, name)
+    if inner.dtype.name != carrier:
+        raise DecodeError(f"{name} arrays must travel as {carrier}, got {inner.dtype.name}")
+    return DecodedArray(inner.data, inner.tag, inner.shape, name)

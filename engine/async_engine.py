@@ -30,6 +30,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core import EngineCore, EngineStats
 from wavecore.engine.errors import (
@@ -46,7 +47,7 @@ from wavecore.engine.outputs import CompletionDelta
 from wavecore.engine.request_stream import RequestStream
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.scheduler import RequestUpdate
-from wavecore.statemachines.rank import PauseMode
+from wavecore.statemachines import PauseMode
 
 _request_numbers = itertools.count()
 
@@ -285,6 +286,13 @@ async def open_engine(
     if config is not None and overrides:
         raise TypeError("give open_engine an EngineConfig or keyword settings, not both")
     config = config if config is not None else EngineConfig(**overrides)
+    if config.dp_size > 1:
+        # Data parallelism: rank processes behind a client with this same API.
+        from wavecore.engine.dp.client import open_dp_engine
+
+        async with open_dp_engine(config) as dp_engine:
+            yield dp_engine  # type: ignore[misc]
+        return
     async with open_engine_core(functools.partial(EngineCore.from_config, config)) as engine:
         yield engine
 

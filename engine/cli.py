@@ -113,7 +113,7 @@ def load_jobs(args: argparse.Namespace, stdin: TextIO) -> list[PromptJob]:
         ]
     if not jobs and not stdin.isatty():
         jobs += [
-            _parse_prompt_line(line, f"stdin:{number}", defaults, args.chat)
+            _parse_prompt_line(line.rstrip("\r\n"), f"stdin:{number}", defaults, args.chat)
             for number, line in enumerate(stdin, 1)
             if line.strip()
         ]
@@ -131,6 +131,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             device=args.device,
             kv_cache_memory=memory,
             max_num_seqs=args.max_num_seqs,
+            dp_size=args.dp,
+            dp_mode=args.dp_mode,
+            # Ranks started elsewhere connect over tcp; the transport is not hashed.
+            transport="tcp" if getattr(args, "dp_master", None) else "ipc",
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
@@ -148,14 +152,16 @@ async def _run_job(engine: Any, job: PromptJob, on_text: Any) -> None:
 
 
 async def run_generate(
-    args: argparse.Namespace, console: Console, jobs: list[PromptJob]
+    args: argparse.Namespace,
+    console: Console,
+    jobs: list[PromptJob],
+    rank_counts: list[int] | None = None,
 ) -> RunSummary:
-    from wavecore.engine.async_engine import open_engine
-
+    """Run the jobs; with data parallelism, `rank_counts` receives requests per rank."""
     config = _engine_config(args)
     loading = console.status("loading the engine...")
     loading.start()
-    async with open_engine(config) as engine:
+    async with _open_engine(args, config) as engine:
         loading.stop()
         start = time.perf_counter()
         if len(jobs) == 1 and args.output is None:
@@ -184,6 +190,8 @@ async def run_generate(
                     for job in jobs:
                         tg.start_soon(run_one, job)
         seconds = time.perf_counter() - start
+        if rank_counts is not None:
+            rank_counts.extend(getattr(engine, "requests_per_rank", ()))
     return RunSummary.of(
         [job.timer for job in jobs if job.timer is not None],
         prompt_tokens=sum(job.prompt_tokens for job in jobs),
@@ -192,7 +200,29 @@ async def run_generate(
     )
 
 
-def summary_table(summary: RunSummary) -> Table:
+def _open_engine(args: argparse.Namespace, config: EngineConfig) -> Any:
+    if args.dp_master is None:
+        from wavecore.engine.async_engine import open_engine
+
+        return open_engine(config)
+    from wavecore.engine.dp.client import open_dp_engine
+
+    local = args.dp_local_ranks if args.dp_local_ranks is not None else args.dp
+    return open_dp_engine(config, master=args.dp_master, local_ranks=range(local))
+
+
+def cmd_rank(args: argparse.Namespace) -> int:
+    """Run one headless rank that joins the front end at `--master`; ends with it."""
+    from wavecore.engine.core import EngineCore
+    from wavecore.engine.dp.rank_process import rank_main
+
+    if not 0 <= args.dp_rank < args.dp:
+        raise UsageError(f"--dp-rank {args.dp_rank} is outside --dp-size {args.dp}")
+    rank_main(f"tcp://{args.master}", args.dp_rank, _engine_config(args), EngineCore.from_config)
+    return 0
+
+
+def summary_table(summary: RunSummary, rank_counts: Sequence[int] = ()) -> Table:
     table = Table(title="summary", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -213,6 +243,8 @@ def summary_table(summary: RunSummary) -> Table:
             f"{summary.itl_p50 * ms:.1f} / {summary.itl_p99 * ms:.1f} ms",
         ),
     ]
+    if len(rank_counts) > 1:
+        rows.append(("requests per DP rank", " / ".join(map(str, rank_counts))))
     for what, value in rows:
         table.add_row(what, value)
     return table
@@ -226,7 +258,8 @@ def _write_results(jobs: Sequence[PromptJob], output: str) -> None:
 
 def cmd_generate(args: argparse.Namespace, console: Console) -> int:
     jobs = load_jobs(args, sys.stdin)
-    summary = anyio.run(run_generate, args, console, jobs, backend=args.backend)
+    rank_counts: list[int] = []
+    summary = anyio.run(run_generate, args, console, jobs, rank_counts, backend=args.backend)
     if args.output is not None:
         _write_results(jobs, args.output)
         console.print(f"wrote {len(jobs)} results to {args.output}")
@@ -236,7 +269,7 @@ def cmd_generate(args: argparse.Namespace, console: Console) -> int:
             console.rule(f"[bold]{number}. {question}", align="left")
             console.print(job.text.strip(), markup=False, highlight=False)
             console.print(f"[dim]({len(job.token_ids)} tokens, {job.finish_reason})")
-    console.print(summary_table(summary))
+    console.print(summary_table(summary, rank_counts))
     return 0
 
 
@@ -274,6 +307,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes, or a fraction in (0, 1]",
     )
     engine.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    engine.add_argument("--dp", type=int, default=1, help="data-parallel ranks (processes)")
+    engine.add_argument("--dp-mode", choices=["lockstep", "independent"], default="lockstep")
+    engine.add_argument(
+        "--dp-master",
+        metavar="HOST:PORT",
+        help="listen here for ranks started elsewhere with `wavecore rank` (tcp)",
+    )
+    engine.add_argument(
+        "--dp-local-ranks", type=int, help="with --dp-master: how many ranks start here"
+    )
     sampling = gen.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int)
     sampling.add_argument("--temperature", type=float)
@@ -281,6 +324,16 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-k", type=int)
     sampling.add_argument("--seed", type=int)
     sampling.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    rank = commands.add_parser("rank", help="run one headless data-parallel rank")
+    rank.add_argument("--dp-rank", type=int, required=True)
+    rank.add_argument("--dp-size", dest="dp", type=int, required=True)
+    rank.add_argument("--master", required=True, metavar="HOST:PORT", help="the front end")
+    rank.add_argument("--dp-mode", choices=["lockstep", "independent"], default="lockstep")
+    rank.add_argument("--model")
+    rank.add_argument("--executor", choices=["model", "null"], default="model")
+    rank.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    rank.add_argument("--max-num-seqs", type=int, default=64)
+    rank.add_argument("--kv-cache-memory", type=_memory, default=512 * 2**20)
     return parser
 
 
@@ -293,9 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.temperature = 0.0 if args.temperature is None else args.temperature
         args.max_tokens = 96 if args.max_tokens is None else args.max_tokens
     try:
+        if args.command == "rank":
+            return cmd_rank(args)
         return cmd_generate(args, console)
     except UsageError as error:
-        console.print(f"[red]wavecore generate: {error}", highlight=False)
+        console.print(f"[red]wavecore {args.command}: {error}", highlight=False)
         return 2
 
 

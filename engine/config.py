@@ -7,6 +7,8 @@ from typing import Literal
 
 ExecutorKind = Literal["model", "null"]
 Device = Literal["cpu", "cuda", "auto"]
+DPMode = Literal["lockstep", "independent"]
+Transport = Literal["ipc", "tcp"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -18,6 +20,13 @@ class EngineConfig:
     `executor="null"` swaps the model for a deterministic stand-in that costs no
     compute, for benchmarks and protocol tests. `kv_cache_memory` is a byte count, or
     a fraction in (0, 1] of the memory available on the device.
+
+    `dp_size > 1` runs that many engine ranks in processes of their own behind one
+    client. `dp_mode="lockstep"` makes them step together in waves (dummy batches,
+    an all-reduce on step 1 of a wave and every `sync_interval` steps), as models whose
+    ranks share collectives need; `"independent"` lets each rank run alone.
+    `transport` is how the processes talk (`ipc` sockets, or `tcp` on loopback);
+    `startup_timeout` bounds the wait for every rank to load and report ready.
     """
 
     model: str | None = None
@@ -30,6 +39,11 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    dp_size: int = 1
+    dp_mode: DPMode = "lockstep"
+    sync_interval: int = 32
+    transport: Transport = "ipc"
+    startup_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if self.executor not in ("model", "null"):
@@ -47,7 +61,25 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.kv_cache_memory as a float is a fraction in (0, 1], got {memory}"
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if self.dp_mode not in ("lockstep", "independent"):
+            raise ValueError(
+                f"EngineConfig.dp_mode must be 'lockstep' or 'independent', got {self.dp_mode!r}"
+            )
+        if self.transport not in ("ipc", "tcp"):
+            raise ValueError(
+                f"EngineConfig.transport must be 'ipc' or 'tcp', got {self.transport!r}"
+            )
+        if not isinstance(self.startup_timeout, int | float) or self.startup_timeout <= 0:
+            raise ValueError(
+                f"EngineConfig.startup_timeout must be positive, got {self.startup_timeout!r}"
+            )
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "dp_size",
+            "sync_interval",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")

@@ -40,8 +40,7 @@ from wavecore.engine.scheduler import (
     SchedulerOutput,
 )
 from wavecore.engine.scheduler import errors as scheduler_errors
-from wavecore.statemachines.rank import PauseMode
-from wavecore.statemachines.request import FinishReason
+from wavecore.statemachines import FinishReason, PauseMode
 
 SLEEP_TAGS = frozenset({"weights", "kv_cache", "scheduling"})
 _EXECUTOR_TAGS = frozenset({"weights", "kv_cache"})
@@ -123,6 +122,22 @@ class EngineCore:
         return cls(
             executor=executor, tokenizer=tokenizer, config=config, eos_token_id=source.eos_token_id
         )
+
+    @staticmethod
+    def tokenizer_from_config(config: EngineConfig) -> PromptTokenizer:
+        """The tokenizer `from_config` would build, without loading the model (for a
+        data-parallel client, which tokenizes while its ranks hold the weights)."""
+        if config.executor == "null":
+            from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
+
+            return ByteTokenizer()
+        from wavecore.engine.model.resolve import resolve_model_source
+        from wavecore.engine.sampling.tokenizer import Tokenizer
+
+        source = resolve_model_source(config.model)
+        if source.format == "gguf":
+            return Tokenizer.from_gguf(source.path)
+        return Tokenizer.from_hf_dir(source.path)
 
     @classmethod
     def _with_null_executor(cls, config: EngineConfig) -> EngineCore:

@@ -33,7 +33,9 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
    lockstep rank is forced running, so it keeps serving peers. It votes for the pause
    at each sync (a WAIT pause only once nothing of its own executes any more).
 7. Pause phase 2: when every rank votes, the wave ends (rule 5), ``ignore_start_wave``
-   is set and ``PauseComplete`` is returned, after the last forward of that iteration.
+   is set, a WAIT scheduler is frozen (KEEP) and ``PauseComplete`` is returned, after
+   the last forward of that iteration. A pause while paused answers at once and only
+   an ABORT touches the frozen scheduler.
 8. Requests reaching a paused or sleeping rank wait and say so (``RequestHeld``).
 9. Resume while PENDING is refused; resume while unpaused is a harmless no-op (a
    duplicate resume never sends one rank into the barrier alone); resume while paused
@@ -274,27 +276,31 @@ class RankSnapshot:
 
 
 _IDLE, _RUNNING, _SYNCING, _BARRIER = RankPhase
-_RESTING = (_IDLE, _RUNNING)
 
 
 def _rows() -> dict[tuple[RankPhase, type], Transition]:
-    rows: dict[tuple[RankPhase, type], Transition] = {}
-    for phase in _RESTING:
+    def row(handler: str, *targets: RankPhase) -> Transition:
+        return Transition(handler=handler, targets=targets)
 
-        def row(handler: str, *targets: RankPhase, phase: RankPhase = phase) -> Transition:
-            return Transition(handler=handler, targets=tuple(dict.fromkeys((phase, *targets))))
-
-        rows[phase, RequestArrived] = row("on_request", _RUNNING)
-        rows[phase, StartWave] = row("on_start_wave", _RUNNING)
-        rows[phase, StepDone] = row("on_step_done", _IDLE, _RUNNING, _SYNCING)
-        rows[phase, PauseRequested] = row("on_pause", _RUNNING)
-        rows[phase, SleepRequested] = row("on_sleep", _RUNNING)
-        rows[phase, ResumeRequested] = row("on_resume", _IDLE, _RUNNING, _BARRIER)
-        rows[phase, WakeUpRequested] = row("on_wake_up", _IDLE, _RUNNING, _BARRIER)
-    rows[_IDLE, Reconfigured] = Transition(handler="on_reconfigured", targets=(_IDLE,))
-    rows[_SYNCING, SyncDone] = Transition(handler="on_sync_done", targets=(_IDLE, _RUNNING))
-    rows[_BARRIER, ResumeSynced] = Transition(handler="on_resume_synced", targets=(_IDLE, _RUNNING))
-    return rows
+    return {
+        (_IDLE, RequestArrived): row("on_request", _IDLE, _RUNNING),
+        (_IDLE, StartWave): row("on_start_wave", _IDLE, _RUNNING),
+        (_IDLE, StepDone): row("on_step_done", _IDLE, _RUNNING),
+        (_IDLE, PauseRequested): row("on_pause", _IDLE, _RUNNING),
+        (_IDLE, SleepRequested): row("on_sleep", _IDLE, _RUNNING),
+        (_IDLE, ResumeRequested): row("on_resume", _IDLE, _RUNNING, _BARRIER),
+        (_IDLE, WakeUpRequested): row("on_wake_up", _IDLE, _RUNNING, _BARRIER),
+        (_IDLE, Reconfigured): row("on_reconfigured", _IDLE),
+        (_RUNNING, RequestArrived): row("on_request", _RUNNING),
+        (_RUNNING, StartWave): row("on_start_wave", _RUNNING),
+        (_RUNNING, StepDone): row("on_step_done", _IDLE, _RUNNING, _SYNCING),
+        (_RUNNING, PauseRequested): row("on_pause", _RUNNING),
+        (_RUNNING, SleepRequested): row("on_sleep", _RUNNING),
+        (_RUNNING, ResumeRequested): row("on_resume", _RUNNING),
+        (_RUNNING, WakeUpRequested): row("on_wake_up", _RUNNING),
+        (_SYNCING, SyncDone): row("on_sync_done", _IDLE, _RUNNING),
+        (_BARRIER, ResumeSynced): row("on_resume_synced", _IDLE, _RUNNING),
+    }
 
 
 Result = tuple[RankSnapshot, tuple[object, ...]]
@@ -447,12 +453,13 @@ class RankMachine(TableMachine[RankSnapshot]):
         counter = state.step_counter + 1 if self.counts_step(event) else state.step_counter
         state = replace(state, step_counter=counter)
         if counter and self.sync_due(counter):
-            vote = state.pause_state is PauseState.PENDING and (
-                state.pause_mode is not PauseMode.WAIT or not event.executed
-            )
+            draining = state.pause_mode is PauseMode.WAIT and event.executed
+            vote = state.pause_state is PauseState.PENDING and not draining
+            # A draining rank does not vote yet, so it reports work: the wave must go on
+            # until it can vote, or it would be left pausing alone.
             actions.append(
                 SyncDP(
-                    has_unfinished=event.has_unfinished,
+                    has_unfinished=event.has_unfinished or draining,
                     pending_pause=vote,
                     wave=state.wave,
                     step_counter=counter,
@@ -494,9 +501,7 @@ class RankMachine(TableMachine[RankSnapshot]):
         return ended, (*self._end_wave_actions(state), Idle())
 
     def _end_wave(self, state: RankSnapshot) -> RankSnapshot:
-        return replace(
-            state, phase=_IDLE, running=False, wave=state.wave + 1, step_counter=0
-        )
+        return replace(state, phase=_IDLE, running=False, wave=state.wave + 1, step_counter=0)
 
     def _end_wave_actions(self, state: RankSnapshot) -> tuple[object, ...]:
         return (NotifyWaveComplete(wave=state.wave),) if state.rank == 0 else ()
@@ -514,11 +519,19 @@ class RankMachine(TableMachine[RankSnapshot]):
             tags = sleep_tags(state.sleep_level)
             paused = replace(paused, asleep=paused.asleep | tags, sleep_level=None)
             sleep = (EnterSleep(level=state.sleep_level, tags=tags),)
-        return paused, (*actions, PauseComplete(), *sleep, Idle())
+        # Past consensus nothing may run, not even what a WAIT pause let drain.
+        freeze = (
+            (PauseScheduler(mode=PauseMode.KEEP),) if state.pause_mode is PauseMode.WAIT else ()
+        )
+        return paused, (*actions, *freeze, PauseComplete(), *sleep, Idle())
 
     def on_pause(self, state: RankSnapshot, event: PauseRequested) -> Result:
         scheduler = (PauseScheduler(mode=event.mode),)
         if state.pause_state is PauseState.PAUSED:
+            # Past consensus nothing may run: only ABORT (dropping requests) may change
+            # the frozen scheduler; a WAIT would let admitted requests step again.
+            if event.mode is not PauseMode.ABORT:
+                return state, (PauseComplete(),)
             return replace(state, pause_mode=event.mode), (*scheduler, PauseComplete())
         pending = replace(state, pause_state=PauseState.PENDING, pause_mode=event.mode)
         if self.lockstep:

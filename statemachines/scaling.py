@@ -190,8 +190,12 @@ class ScalingMachine(TableMachine[ScalingSnapshot]):
 
     def on_requested(self, state: ScalingSnapshot, event: ScaleRequested) -> Result:
         if event.direction not in _ALLOWED[self.role]:
-            raise self.refuse(state, event, f"a {self.role.name} party cannot scale {event.direction.name}")
-        preparing = replace(state, phase=_PREPARING, direction=event.direction, dp_size=event.dp_size)
+            raise self.refuse(
+                state, event, f"a {self.role.name} party cannot scale {event.direction.name}"
+            )
+        preparing = replace(
+            state, phase=_PREPARING, direction=event.direction, dp_size=event.dp_size
+        )
         return preparing, (PrepareGroup(role=self.role, dp_size=event.dp_size),)
 
     def on_second_request(self, state: ScalingSnapshot, event: ScaleRequested) -> Result:

@@ -54,6 +54,12 @@ class TableMachine(Generic[StateT]):
         """The full state, immutable: equal snapshots mean identical machines."""
         return self._state
 
+    def copy(self) -> TableMachine[StateT]:
+        """An independent machine in the same state (the state itself is immutable)."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
     def restore(self, snapshot: StateT) -> None:
         """Put the machine back into a state previously returned by ``snapshot``."""
         self._state = snapshot

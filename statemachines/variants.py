@@ -76,7 +76,9 @@ class LatchesRunningOnFirstRequest(CoordinatorMachine):
 class BarrierOnDuplicateResume(RankMachine):
     """Failure mode 7: a duplicate resume sends the rank into the barrier again."""
 
-    def duplicate_resume_actions(self, state: RankSnapshot) -> tuple[RankSnapshot, tuple[object, ...]]:
+    def duplicate_resume_actions(
+        self, state: RankSnapshot
+    ) -> tuple[RankSnapshot, tuple[object, ...]]:
         barrier = ResumeBarrier(has_unfinished=state.has_work)
         return replace(state, phase=RankPhase.BARRIER), (barrier,)
 
@@ -84,7 +86,9 @@ class BarrierOnDuplicateResume(RankMachine):
 class RepliesToPauseEarly(RankMachine):
     """Failure mode 8: the pause is reported done before the consensus forward ended."""
 
-    def on_pause(self, state: RankSnapshot, event: PauseRequested) -> tuple[RankSnapshot, tuple[object, ...]]:
+    def on_pause(
+        self, state: RankSnapshot, event: PauseRequested
+    ) -> tuple[RankSnapshot, tuple[object, ...]]:
         new_state, actions = super().on_pause(state, event)
         if state.pause_state is PauseState.PAUSED:
             return new_state, actions

@@ -28,7 +28,6 @@ Theory of operation:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -169,6 +168,7 @@ class World:
     channels: dict[tuple[Party, Party], tuple[Message, ...]] = field(default_factory=dict)
     scaling: dict[int, ScalingMachine] = field(default_factory=dict)
     trace: list[str] | None = None
+    views_matter: bool = True
 
     @classmethod
     def start(cls, config: WorldConfig) -> World:
@@ -192,23 +192,58 @@ class World:
     def clone(self) -> World:
         return World(
             config=self.config,
-            ranks=[copy.copy(m) for m in self.ranks],
+            ranks=[m.copy() for m in self.ranks],  # type: ignore[misc]
             loops=list(self.loops),
-            coordinator=copy.copy(self.coordinator),
+            coordinator=self.coordinator.copy(),  # type: ignore[arg-type]
             client=self.client,
             channels=dict(self.channels),
-            scaling={r: copy.copy(m) for r, m in self.scaling.items()},
+            scaling={r: m.copy() for r, m in self.scaling.items()},  # type: ignore[misc]
+            views_matter=self.views_matter,
         )
 
+    def forget_views(self) -> None:
+        """The client will submit nothing more: its view of the engines no longer decides
+        anything, so it is dropped (fewer distinct states, same futures)."""
+        self.views_matter = False
+        self.channels.pop((COORDINATOR, CLIENT), None)
+        self.client = replace(self.client, wave=0, running=False)
+
     def key(self) -> tuple[object, ...]:
+        """Everything that decides the future. Step counters of a long-running wave are
+        shifted down by a multiple of ``sync_interval``: the rules only ever compare them
+        with 1, with each other and modulo the interval, so shifted states behave alike
+        (a pause message can stay in flight for any number of dummy steps)."""
+        snapshots = [m.snapshot() for m in self.ranks]
+        loops = self.loops
+        interval = self.config.sync_interval
+        counters = [s.step_counter for s in snapshots if s.running]
+        if counters and min(counters) > 2 * interval:
+            shift = ((min(counters) - interval - 1) // interval) * interval
+            snapshots, loops = self._shifted(snapshots, shift)
         return (
-            tuple(m.snapshot() for m in self.ranks),
-            tuple(self.loops),
+            tuple(snapshots),
+            tuple(loops),
             self.coordinator.snapshot(),
             self.client,
             frozenset(self.channels.items()),
             tuple(sorted((r, m.snapshot()) for r, m in self.scaling.items())),
         )
+
+    def _shifted(self, snapshots: list, shift: int) -> tuple[list, list[RankLoop]]:  # type: ignore[type-arg]
+        shifted_snapshots, shifted_loops = [], []
+        for snapshot, loop in zip(snapshots, self.loops, strict=True):
+            if snapshot.running:
+                snapshot = replace(snapshot, step_counter=snapshot.step_counter - shift)
+                if loop.forwards_wave == snapshot.wave:
+                    loop = replace(loop, forwards=loop.forwards - shift)
+                if isinstance(loop.contribution, SyncDP):
+                    contribution = replace(
+                        loop.contribution, step_counter=loop.contribution.step_counter - shift
+                    )
+                    loop = replace(loop, contribution=contribution)
+            shifted_snapshots.append(snapshot)
+            shifted_loops.append(loop)
+        return shifted_snapshots, shifted_loops
 
     @property
     def group(self) -> range:
@@ -280,7 +315,7 @@ class World:
             if isinstance(action, BroadcastStartWave):
                 for r in self.group:
                     self._send(COORDINATOR, r, ("start_dp_wave", action.wave, action.exclude_rank))
-            elif isinstance(action, PublishState):
+            elif isinstance(action, PublishState) and self.views_matter:
                 self._send(COORDINATOR, CLIENT, ("publish", action.wave, action.engines_running))
 
     def _handle(self, machine: object, event: object, who: str) -> tuple[object, ...]:
@@ -315,8 +350,10 @@ class World:
         else:
             event = WakeUpRequested(tags=message[1])  # type: ignore[arg-type]
         actions = self._handle(machine, event, f"rank {r}")
-        if request_id is not None and held_before and not any(
-            isinstance(a, RequestHeld) for a in actions
+        if (
+            request_id is not None
+            and held_before
+            and not any(isinstance(a, RequestHeld) for a in actions)
         ):
             raise Violation(
                 "silent_wait", f"request {request_id} reached paused/sleeping rank {r} unannounced"
@@ -343,7 +380,8 @@ class World:
             raise Violation("forward_after_pause", f"rank {r} ran a forward after pause consensus")
         if self.client.paused:
             raise Violation(
-                "forward_after_pause_reply", f"rank {r} ran a forward after the client saw the pause done"
+                "forward_after_pause_reply",
+                f"rank {r} ran a forward after the client saw the pause done",
             )
         loop = self.loops[r]
         wave = self.ranks[r].wave
@@ -406,7 +444,9 @@ class World:
             event = ResumeSynced(any_unfinished=any(c.has_unfinished for c in contributions))  # type: ignore[union-attr]
         self._note(f"collective {kind} completes: {event}")
         for r in group:
-            self.loops[r] = replace(self.loops[r], collective=None, contribution=None, must_step=True)
+            self.loops[r] = replace(
+                self.loops[r], collective=None, contribution=None, must_step=True
+            )
         for r in group:
             self._perform(r, self._handle(self.ranks[r], event, f"rank {r}"), None)
 
@@ -435,7 +475,9 @@ class World:
     def _check_after_move(self, coordinator_wave_before: int) -> None:
         wave = self.coordinator.wave
         if wave < coordinator_wave_before:
-            raise Violation("coordinator_wave", f"went back from {coordinator_wave_before} to {wave}")
+            raise Violation(
+                "coordinator_wave", f"went back from {coordinator_wave_before} to {wave}"
+            )
         rank_wave = max(self.ranks[r].wave for r in self.group)
         if wave > rank_wave:
             raise Violation("coordinator_wave", f"coordinator at {wave}, ranks at most {rank_wave}")
@@ -444,7 +486,9 @@ class World:
             return
         kinds = {loop.collective for loop in waiting.values()}
         if len(kinds) > 1:
-            raise Violation("deadlock", f"ranks wait in different collectives: {sorted(map(str, kinds))}")
+            raise Violation(
+                "deadlock", f"ranks wait in different collectives: {sorted(map(str, kinds))}"
+            )
         for r, loop in waiting.items():
             if loop.collective != "sync" or loop.contribution is None:
                 continue
@@ -485,7 +529,9 @@ class World:
             )
         waves = {m.wave for m in ranks}
         if waves != {self.coordinator.wave}:
-            raise Violation("coordinator_wave", f"coordinator at {self.coordinator.wave}, ranks {waves}")
+            raise Violation(
+                "coordinator_wave", f"coordinator at {self.coordinator.wave}, ranks {waves}"
+            )
         paused = any(m.pause_state is not PauseState.UNPAUSED or m.asleep for m in ranks)
         lost = set(range(self.client.submitted)) - self.client.done
         if lost and not paused:
@@ -522,7 +568,9 @@ class World:
             return "a sleep is still in flight"
         if kind == "scale_prepare" and (self.client.scaling_to is not None or self.client.paused):
             return "a reconfiguration is active or the engines are paused"
-        if kind == "scale_commit" and (self.client.scaling_to is None or busy or not self.client.paused):
+        if kind == "scale_commit" and (
+            self.client.scaling_to is None or busy or not self.client.paused
+        ):
             return "no prepared reconfiguration is paused and ready"
         return None
 
@@ -561,11 +609,15 @@ class World:
         old = self.client.group
         direction = ScaleDirection.UP if dp_size > old else ScaleDirection.DOWN
         for r in range(max(old, dp_size)):
-            role = ScaleRole.NEW if r >= old else (
-                ScaleRole.REMOVING if r >= dp_size else ScaleRole.EXISTING
+            role = (
+                ScaleRole.NEW
+                if r >= old
+                else (ScaleRole.REMOVING if r >= dp_size else ScaleRole.EXISTING)
             )
             machine = self.config.scaling_class(role)
-            self._handle(machine, ScaleRequested(direction=direction, dp_size=dp_size), f"scaling {r}")
+            self._handle(
+                machine, ScaleRequested(direction=direction, dp_size=dp_size), f"scaling {r}"
+            )
             self._handle(machine, GroupPrepared(), f"scaling {r}")
             self.scaling[r] = machine
             if role is ScaleRole.NEW:
@@ -582,7 +634,9 @@ class World:
                 if isinstance(action, DrainAndShutdown):
                     lost = {q.id for q in self.loops[r].requests}
                     if lost:
-                        raise Violation("request_lost", f"leaving rank {r} still held {sorted(lost)}")
+                        raise Violation(
+                            "request_lost", f"leaving rank {r} still held {sorted(lost)}"
+                        )
         staying = [self.ranks[r] for r in range(dp_size)]
         merged = Reconfigured(
             rank=0,
@@ -601,7 +655,9 @@ class World:
             for sender in (CLIENT, COORDINATOR):
                 for message in self.channels.pop((sender, r), ()):
                     if message[0] == "add":
-                        raise Violation("request_lost", f"request {message[1]} sent to leaving rank {r}")
+                        raise Violation(
+                            "request_lost", f"request {message[1]} sent to leaving rank {r}"
+                        )
         del self.ranks[dp_size:]
         del self.loops[dp_size:]
         self.scaling = {}

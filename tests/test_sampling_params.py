@@ -8,6 +8,7 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from wavecore.engine.sampling_params import SamplingParams
 
 BAD_VALUES: dict[str, list[object]] = {

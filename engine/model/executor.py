@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Literal, Protocol
 
 import torch
+
 from wavecore.engine.batch import ModelBatch, ModelOutput, SampledToken, SequenceChunk
 from wavecore.engine.model.batch_plan import CacheGeometry, plan_forward
 from wavecore.engine.model.config import ModelConfig

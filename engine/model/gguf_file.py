@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.errors import ModelLoadError
 from wavecore.engine.model.source import ModelSource

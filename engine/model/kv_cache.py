@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from wavecore.engine.model.config import ModelConfig
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from wavecore.engine.model.attention import paged_attention
 from wavecore.engine.model.batch_plan import ForwardPlan
 from wavecore.engine.model.config import ModelConfig
@@ -22,6 +23,9 @@ from wavecore.engine.model.weights import ModelWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
+    # Reduced precision: normalize in float32, scale in the model's dtype, as HF does.
     normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=eps)
     return weight * normed.to(x.dtype)
 
@@ -43,6 +47,7 @@ class LlamaModel:
         eps = config.rms_norm_eps
 
         hidden = weights.embed.index_select(0, plan.token_ids)
+        cos, sin = self.rotary.lookup(plan.positions)
         for index, layer in enumerate(weights.layers):
             x = rms_norm(hidden, layer.attn_norm, eps)
             qkv = x @ layer.qkv
@@ -50,7 +55,7 @@ class LlamaModel:
                 qkv += layer.qkv_bias
             # q and k heads rotate together: one rotary call per layer.
             qk = self.rotary.apply(
-                qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, head_dim), plan.positions
+                qkv[:, : q_size + kv_size].view(tokens, heads + kv_heads, head_dim), cos, sin
             )
             queries, keys = qk[:, :heads], qk[:, heads:]
             values = qkv[:, q_size + kv_size :].view(tokens, kv_heads, head_dim)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from wavecore.engine.model.config import ModelConfig
 
 
@@ -59,10 +60,12 @@ class RotaryTable:
         self.sin = angles.sin().to(device=device, dtype=dtype)
         self.half = config.head_dim // 2
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate `x` `[tokens, heads, head_dim]` by each token's position; returns a new tensor."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[tokens, 1, head_dim / 2]` for `positions`; shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate `x` `[tokens, heads, head_dim]` by `lookup`'s angles; returns a new tensor."""
         first, second = x[..., : self.half], x[..., self.half :]
         rotated = torch.empty_like(x)
         torch.sub(first * cos, second * sin, out=rotated[..., : self.half])

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
 from wavecore.engine.model.config import ModelConfig
 
 SourceFormat = Literal["gguf", "safetensors"]

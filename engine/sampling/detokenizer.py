@@ -3,14 +3,15 @@
 Decoding one token at a time is wrong twice over: a token may hold only part of a
 multi-byte UTF-8 character (decoded alone it is U+FFFD), and some decoders read
 context (a SentencePiece word-start marker turns into a space only after another
-word). So each step decodes a short window of ids twice, both times starting at
-`prefix_offset`: up to `read_offset` (text already emitted) and up to the end. The new
-text is what the second decode adds to the first. If it ends in U+FFFD, the last
-character is still incomplete and nothing is emitted; the ids wait for the next step.
-Otherwise the delta is emitted and the window slides: `prefix_offset` moves to the old
-`read_offset` (the previous tokens stay as context) and `read_offset` to the end.
+word). So the detokenizer keeps a short window of ids, split at `read_offset`: in
+front, the ids of the previous delta (the prefix, kept as context); behind, the ids
+not yet emitted. Each step decodes the prefix and the whole window; the new text is
+what the second decode adds to the first. If it ends in U+FFFD, the last character
+is still incomplete and nothing is emitted; the ids wait for the next step.
+Otherwise the delta is emitted and the window slides: the ids just emitted become
+the prefix and older ones are dropped, so each step costs a few tokens' decoding.
 
-Both offsets only move at clean character boundaries, so the concatenated deltas equal
+The offset only moves at clean character boundaries, so the concatenated deltas equal
 the decode of the whole sequence. The window starts with a few prompt tokens when a
 prompt is given, for context. If those end inside a character that the first output
 tokens complete, the completed character belongs to the output: the delta then starts
@@ -51,8 +52,8 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        # The window: ids already emitted (kept as context), then ids not yet emitted.
         self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
     def add(self, token_ids: Sequence[int]) -> str:
@@ -70,15 +71,14 @@ class IncrementalDetokenizer:
     def _emit(self, *, final: bool) -> str:
         if self._read_offset == len(self._ids):
             return ""
-        emitted = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        current = self._decode(self._ids[self._prefix_offset :])
+        emitted = self._decode(self._ids[: self._read_offset])
+        current = self._decode(self._ids)
         if current.endswith(_REPLACEMENT) and not final:
             return ""
         start = (
             len(emitted) if current.startswith(emitted) else _common_prefix_length(emitted, current)
         )
-        # Ids before the new prefix offset are never decoded again.
+        # The ids just emitted become the context; older ones are never decoded again.
         del self._ids[: self._read_offset]
-        self._prefix_offset = 0
         self._read_offset = len(self._ids)
         return current[start:]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
 from wavecore.engine.sampling.errors import TokenizerLoadError
 from wavecore.engine.sampling.gguf_metadata import MetadataValue
 

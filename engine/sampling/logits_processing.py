@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from itertools import chain
 
 import torch
+
 from wavecore.engine.batch import SequenceChunk
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from wavecore.engine.batch import SampledToken, SequenceChunk
 from wavecore.engine.sampling.logits_processing import (
     apply_output_penalties,
@@ -100,7 +101,8 @@ class Sampler:
     def _draw(
         self, scaled: torch.Tensor, chunks: Sequence[SequenceChunk], rows: list[int]
     ) -> torch.Tensor:
-        candidates = scaled[rows]
+        # Indexing copies; a batch that samples every row needs no copy.
+        candidates = scaled if len(rows) == scaled.shape[0] else scaled[rows]
         candidates = apply_top_k_top_p(
             candidates, [c.sampling.top_k for c in chunks], [c.sampling.top_p for c in chunks]
         )

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import tokenizers
+
 from wavecore.engine.sampling.chat_template import ChatTemplate, ChatTemplateError
 from wavecore.engine.sampling.errors import TokenizerLoadError
 from wavecore.engine.sampling.gguf_metadata import read_gguf_metadata

@@ -208,7 +208,7 @@ class BlockManager:
             return
         size = self.block_size
         parent = block_hashes[-1] if block_hashes else 0
-        for index in range(len(block_hashes), -(-num_computed_tokens // size)):
+        for index in range(len(block_hashes), num_computed_tokens // size):
             start = index * size
             key = (parent, tuple(token_ids[start : start + size]))
             block_id = block_table[index]

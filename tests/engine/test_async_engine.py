@@ -18,7 +18,7 @@ from wavecore.engine.errors import (
 from wavecore.engine.null_executor import null_next_token
 from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
 from wavecore.engine.sampling_params import SamplingParams
-from wavecore.statemachines.rank import PauseMode
+from wavecore.statemachines import PauseMode
 
 pytestmark = pytest.mark.anyio
 HANG_GUARD = 30  # seconds; only ever reached if the engine hangs

@@ -20,6 +20,7 @@ from model_test_helpers import (
     write_gguf,
     write_hf_directory,
 )
+
 from wavecore.engine.model import ModelExecutor, ModelLoadError, default_model_path, load_executor
 
 

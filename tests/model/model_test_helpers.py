@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 import torch
 from safetensors.torch import save_file
+
 from wavecore.engine.batch import Executor, ModelBatch, SampledToken, SequenceChunk
 from wavecore.engine.sampling_params import SamplingParams
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_test_helpers import ArgmaxSampler, GreedyRunner, greedy_alone
+
 from wavecore.engine.batch import ModelBatch, SequenceChunk
 from wavecore.engine.model import (
     ExecutorAsleepError,

@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 from model_test_helpers import TinySpec, write_gguf, write_hf_directory
+
 from wavecore.engine.model import (
     DEFAULT_MODEL_INSTALL,
     ModelLoadError,

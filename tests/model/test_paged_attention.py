@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+
 from wavecore.engine.batch import SequenceChunk
 from wavecore.engine.model.attention import paged_attention
 from wavecore.engine.model.batch_plan import CacheGeometry, plan_forward

@@ -14,6 +14,7 @@ from model_test_helpers import (
     write_gguf,
     write_hf_directory,
 )
+
 from wavecore.engine.batch import ModelBatch, SequenceChunk
 from wavecore.engine.model import load_executor, resolve_model_source
 from wavecore.engine.sampling_params import SamplingParams

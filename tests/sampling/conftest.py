@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+
 from wavecore.engine.sampling.tokenizer import DEFAULT_MODEL_PACKAGE, Tokenizer, default_model_path
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from wavecore.engine.sampling.byte_tokenizer import EOS_TEXT, EOS_TOKEN_ID, ByteTokenizer
 
 

@@ -7,6 +7,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
+
 from wavecore.engine.sampling.byte_tokenizer import EOS_TOKEN_ID, ByteTokenizer
 from wavecore.engine.sampling.detokenizer import Decoder, IncrementalDetokenizer
 from wavecore.engine.sampling.tokenizer import Tokenizer

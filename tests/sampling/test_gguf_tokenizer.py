@@ -13,6 +13,7 @@ import gguf
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from wavecore.engine.sampling.chat_template import ChatTemplateError
 from wavecore.engine.sampling.errors import TokenizerLoadError
 from wavecore.engine.sampling.gguf_metadata import GGUFFormatError, read_gguf_metadata

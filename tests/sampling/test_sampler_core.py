@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from wavecore.engine.batch import SequenceChunk
 from wavecore.engine.sampling.logits_processing import (
     apply_output_penalties,

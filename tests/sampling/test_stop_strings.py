@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+
 from wavecore.engine.sampling.stop_strings import StopChecker, StopStreamClosedError
 
 ALPHABET = "abcx"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from wavecore.engine.sampling.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.model

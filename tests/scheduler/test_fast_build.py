@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from wavecore.engine.batch import SampledToken, SequenceChunk
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.scheduler import RequestUpdate

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from wavecore.engine.batch import ModelBatch, SequenceChunk
 from wavecore.engine.null_executor import (
     ExecutorAsleepError,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from wavecore.statemachines.errors import ProtocolError
 from wavecore.statemachines.request import (
     Finish,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from sched_helpers import EOS, VOCAB, Transcript, expected_outputs, make, run, step
+
 from wavecore.engine.batch import ModelOutput, SampledToken
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.scheduler import (

@@ -22,6 +22,7 @@ from hypothesis.stateful import (
     rule,
 )
 from sched_helpers import EOS, Transcript, make
+
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.scheduler import (
     BlockManager,

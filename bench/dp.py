@@ -1,0 +1,203 @@
+"""Data-parallel engine throughput and pause latency, with the null executor.
+
+Workload: `--requests` requests of `--max-tokens` tokens each, all submitted at once,
+through the full DP path (client tokenizing and detokenizing, nng channels, rank
+processes, coordinator), at dp_size 1, 2 and 4, in lockstep and independent mode. The
+null executor costs no compute, so the figures measure the engine's own overhead:
+requests per second, and streamed tokens per second as the caller receives them.
+
+Peers, measured in the same run: lockstep against independent at the same dp_size
+(target >= 0.9x), and each dp_size against dp_size 1 of the same mode.
+
+Pause latency: with long requests running on every rank, the time from `pause()` to
+its return, and the most forwards (real or dummy) any rank ran from receiving the
+pause to completing it (the rank counts them). Target: 2 steps. In lockstep mode a
+pause that arrives mid-wave waits for the wave's next sync, so up to `sync_interval`
+forwards: ranks cannot sync early on their own without drifting out of lockstep.
+
+Usage: python bench/dp.py [--quick] [--requests N] [--max-tokens N] [--output PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from wavecore.engine.config import EngineConfig
+from wavecore.engine.dp.client import DPClient, open_dp_engine
+from wavecore.engine.sampling_params import SamplingParams
+from wavecore.statemachines.rank import PauseMode
+
+RESULTS = Path(__file__).resolve().parent / "results" / "dp.json"
+TARGET_TOKENS_PER_S_DP2 = 50_000
+TARGET_LOCKSTEP_RATIO = 0.9
+TARGET_PAUSE_STEPS = 2
+
+
+def _config(dp_size: int, mode: str, max_num_seqs: int) -> EngineConfig:
+    return EngineConfig(
+        executor="null",
+        dp_size=dp_size,
+        dp_mode=mode,  # type: ignore[arg-type]
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(2048, max_num_seqs * 16),
+        kv_cache_memory=2**30,
+        startup_timeout=120.0,
+    )
+
+
+async def _throughput(engine: DPClient, requests: int, max_tokens: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    received = 0
+
+    async def run(number: int) -> None:
+        nonlocal received
+        async for delta in engine.generate(f"request {number} " * 4, params):
+            received += len(delta.token_ids)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for number in range(requests):
+            tg.start_soon(run, number)
+    elapsed = time.perf_counter() - start
+    return {
+        "seconds": elapsed,
+        "requests_per_s": requests / elapsed,
+        "tokens_per_s": received / elapsed,
+        "tokens": received,
+    }
+
+
+async def _pause_latency(engine: DPClient, repeats: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=1_000_000, ignore_eos=True)
+    millis: list[float] = []
+    steps: list[int] = []
+    for _ in range(repeats):
+        async with anyio.create_task_group() as tg:
+            for rank in range(engine.dp_size):
+                tg.start_soon(_drain, engine.generate("pause me", params, dp_rank=rank))
+            while sum(r.engine.num_running for r in (await engine.stats()).ranks) < engine.dp_size:
+                pass
+            start = time.perf_counter()
+            await engine.pause(PauseMode.KEEP)
+            millis.append((time.perf_counter() - start) * 1000)
+            stats = await engine.stats()
+            steps.append(max(r.counters.last_pause_forwards for r in stats.ranks))
+            await engine.pause(PauseMode.ABORT)
+            await engine.resume()
+    return {"pause_ms": statistics.median(millis), "pause_steps": statistics.median(steps)}
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
+
+
+async def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for dp_size in args.dp_sizes:
+        for mode in ("independent", "lockstep"):
+            config = _config(dp_size, mode, args.max_num_seqs)
+            async with open_dp_engine(config) as engine:
+                await _throughput(engine, max(2, args.requests // 8), 4)  # warm-up
+                row: dict[str, Any] = {"dp_size": dp_size, "mode": mode}
+                row.update(await _throughput(engine, args.requests, args.max_tokens))
+                row.update(await _pause_latency(engine, args.pause_repeats))
+            rows.append(row)
+            print(f"  measured dp_size={dp_size} {mode}", flush=True)
+    return rows
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    by_key = {(row["dp_size"], row["mode"]): row for row in rows}
+    for row in rows:
+        independent = by_key[(row["dp_size"], "independent")]
+        row["vs_independent"] = row["tokens_per_s"] / independent["tokens_per_s"]
+        base = by_key.get((min(r["dp_size"] for r in rows), row["mode"]))
+        row["vs_smallest_dp"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    header = (
+        f"{'dp':>3} {'mode':<12} {'req/s':>9} {'tokens/s':>10} {'vs indep':>9} "
+        f"{'vs dp min':>9} {'pause ms':>9} {'pause steps':>12}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(
+            f"{row['dp_size']:>3} {row['mode']:<12} {row['requests_per_s']:>9.0f} "
+            f"{row['tokens_per_s']:>10.0f} {row['vs_independent']:>8.2f}x "
+            f"{row['vs_smallest_dp']:>8.2f}x {row['pause_ms']:>9.1f} {row['pause_steps']:>12.1f}"
+        )
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for mode in ("independent", "lockstep"):
+        chosen = [row for row in rows if row["mode"] == mode]
+        axes.plot(
+            [row["dp_size"] for row in chosen],
+            [row["tokens_per_s"] for row in chosen],
+            marker="o",
+            label=mode,
+        )
+    axes.axhline(TARGET_TOKENS_PER_S_DP2, linestyle=":", color="grey", label="dp 2 target")
+    axes.set_xlabel("dp_size")
+    axes.set_ylabel("streamed tokens / s")
+    axes.set_title("wavecore DP throughput, null executor")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    args.dp_sizes = (1, 2, 4)
+    args.pause_repeats = 5
+    if args.quick:
+        args.dp_sizes, args.requests, args.max_tokens, args.pause_repeats = (2,), 8, 8, 1
+    rows = anyio.run(_measure, args)
+    _add_ratios(rows)
+    _print_table(rows)
+    result = {
+        "benchmark": "dp",
+        "quick": args.quick,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "targets": {
+            "tokens_per_s_dp2": TARGET_TOKENS_PER_S_DP2,
+            "lockstep_vs_independent": TARGET_LOCKSTEP_RATIO,
+            "pause_steps": TARGET_PAUSE_STEPS,
+        },
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "rows": rows,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    _plot(rows, args.output.with_suffix(".png"))
+    print(f"wrote {args.output} and {args.output.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Model forward throughput: wavecore's executor against transformers, same model, same run.
+
+For each decode batch size B, both sides prefill the same B prompts (token ids,
+`--context` tokens each; not timed), then run greedy decode steps of B tokens:
+- wavecore: `ModelExecutor.execute` (paged KV cache, sampler included);
+- transformers: the model's forward with its own KV cache (`past_key_values`);
+and at batch 1 also transformers `generate`. The roof is this machine's float32
+matmul rate (a 2048^3 product); a decode step costs 2 x parameters x tokens FLOPs,
+so "roof" is that over the step time, as a fraction of the measured GFLOP/s.
+
+Prints a table, writes bench/results/model.json. `--quick` shrinks everything for a
+smoke test; `--model` takes any model spec (a GGUF file or a Hugging Face directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wavecore.engine.batch import ModelBatch, SequenceChunk
+from wavecore.engine.model import ModelExecutor, load_executor
+from wavecore.engine.sampling_params import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4096)
+
+
+def matmul_gflops(size: int, repeats: int) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def make_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(vocab // 4, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def wavecore_decode(executor: ModelExecutor, prompts: list[list[int]], steps: int) -> float:
+    """Decode tokens per second over `steps` steps, after an untimed prefill and warm-up."""
+    size = executor.block_size
+    tokens = [list(p) for p in prompts]
+    blocks_each = -(-(len(prompts[0]) + steps + 2) // size)
+    tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(len(prompts))]
+    if blocks_each * len(prompts) > executor.num_kv_blocks:
+        raise SystemExit("KV cache too small for this benchmark; raise --kv-cache-mib")
+    computed = [0] * len(prompts)
+
+    def step() -> None:
+        chunks = tuple(
+            SequenceChunk(
+                request_id=f"r{i}",
+                token_ids=seq[computed[i] :],
+                start_pos=computed[i],
+                block_table=tables[i],
+                sample=True,
+                sampling=GREEDY,
+                all_token_ids=seq,
+                prompt_len=len(prompts[i]),
+            )
+            for i, seq in enumerate(tokens)
+        )
+        output = executor.execute(ModelBatch(chunks=chunks))
+        for i, sampled in enumerate(output.sampled):
+            computed[i] = len(tokens[i])
+            tokens[i].append(sampled.token_id)
+
+    step()  # prefill
+    step()  # warm-up decode
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return len(prompts) * steps / (time.perf_counter() - start)
+
+
+def load_transformers(model: str | None, executor: ModelExecutor) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    path = executor.source.path
+    if executor.source.format == "gguf":
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return loaded.eval()
+
+
+def transformers_decode(model: Any, prompts: list[list[int]], steps: int) -> float:
+    with torch.inference_mode():
+        out = model(torch.tensor(prompts), use_cache=True)
+        cache = out.past_key_values
+        next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
+        out = model(next_ids, past_key_values=cache, use_cache=True)  # warm-up
+        cache, next_ids = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = model(next_ids, past_key_values=cache, use_cache=True)
+            cache, next_ids = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        return len(prompts) * steps / (time.perf_counter() - start)
+
+
+def transformers_generate(model: Any, prompt: list[int], steps: int) -> float:
+    ids = torch.tensor([prompt])
+    kwargs = {"max_new_tokens": steps, "min_new_tokens": steps, "do_sample": False}
+    with torch.inference_mode():
+        model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+        start = time.perf_counter()
+        model.generate(ids, **kwargs)
+    return steps / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: SmolLM2)"
+    )
+    parser.add_argument("--context", type=int, default=None, help="prompt tokens per sequence")
+    parser.add_argument("--kv-cache-mib", type=int, default=512)
+    parser.add_argument("--skip-peer", action="store_true", help="wavecore alone")
+    parser.add_argument("--output", type=Path, default=RESULTS / "model.json")
+    args = parser.parse_args()
+
+    batches = (1, 4) if args.quick else (1, 16, 64)
+    steps = 3 if args.quick else 16
+    context = args.context or (16 if args.quick else 128)
+    roof = matmul_gflops(512 if args.quick else 2048, 2 if args.quick else 10)
+
+    executor = load_executor(
+        args.model, device="cpu", kv_cache_memory=args.kv_cache_mib * 2**20, seed=0
+    )
+    config = executor.config
+    flops_per_token = 2 * config.num_parameters
+    peer = None if args.skip_peer else load_transformers(args.model, executor)
+
+    rows = []
+    for batch in batches:
+        prompts = make_prompts(batch, context, config.vocab_size)
+        ours = wavecore_decode(executor, prompts, steps)
+        executor.reset_kv_cache()
+        theirs = transformers_decode(peer, prompts, steps) if peer is not None else None
+        rows.append(
+            {
+                "batch": batch,
+                "wavecore_tok_s": ours,
+                "transformers_forward_tok_s": theirs,
+                "speedup": ours / theirs if theirs else None,
+                "wavecore_roof_fraction": ours * flops_per_token / 1e9 / roof,
+                "transformers_roof_fraction": theirs * flops_per_token / 1e9 / roof
+                if theirs
+                else None,
+            }
+        )
+    generate = None
+    if peer is not None:
+        generate = transformers_generate(
+            peer, make_prompts(1, context, config.vocab_size)[0], steps
+        )
+
+    def show(value: float | None, pattern: str) -> str:
+        return "n/a" if value is None else pattern.format(value)
+
+    print(
+        f"model {executor.source.path.name}: {config.num_parameters / 1e6:.1f} M parameters, "
+        f"context {context}, fp32 matmul roof {roof:.1f} GFLOP/s, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'batch':>5} {'wavecore tok/s':>15} {'HF forward tok/s':>17} {'ratio':>6} "
+        f"{'wavecore roof':>14} {'HF roof':>8}"
+    )
+    for row in rows:
+        print(
+            f"{row['batch']:>5} {row['wavecore_tok_s']:>15.1f} "
+            f"{show(row['transformers_forward_tok_s'], '{:.1f}'):>17} "
+            f"{show(row['speedup'], '{:.2f}x'):>6} "
+            f"{row['wavecore_roof_fraction']:>14.0%} "
+            f"{show(row['transformers_roof_fraction'], '{:.0%}'):>8}"
+        )
+    batch_one = rows[0]["wavecore_tok_s"]
+    print(
+        f"transformers generate, batch 1: {show(generate, '{:.1f}')} tok/s; "
+        f"wavecore batch 1 is {show(batch_one / generate if generate else None, '{:.2f}x')} that"
+    )
+
+    results = {
+        "benchmark": "model",
+        "quick": args.quick,
+        "model": str(executor.source.path),
+        "parameters": config.num_parameters,
+        "context": context,
+        "decode_steps": steps,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "matmul_gflops": roof,
+        "decode": rows,
+        "transformers_generate_batch1_tok_s": generate,
+        "wavecore_batch1_vs_generate": batch_one / generate if generate else None,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.output}")
+    executor.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The DP all-reduce: a gloo process group of the engine's own, over the client's store.
+
+Each engine hosts its own `TCPStore` (in the client, on 127.0.0.1 port 0) and every rank
+builds a `ProcessGroupGloo` over a `PrefixStore` of it, so several engines (and tests)
+coexist on one machine without touching torch's global default group.
+
+One collective, one layout: every sync and every resume barrier is a single MAX
+all-reduce of
+
+    [kind, -kind, has_unfinished, wave, -wave, step_counter, -step_counter, votes...]
+
+where `votes` has one slot per rank (1 where that rank votes to pause). MAX over a pair
+`[x, -x]` yields both the max and the min of `x`, which is how drift (ranks meeting with
+different waves or step counters) and a mixed collective (one rank in a sync, another in
+the resume barrier) are detected instead of producing nonsense. The calls block; the
+rank loop runs them on its model thread, in order with its forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_SYNC, _BARRIER = 1, 2
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks met in one all-reduce from different collectives (sync vs barrier)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncResult:
+    any_unfinished: bool
+    pausing_ranks: int
+    wave_span: tuple[int, int]
+    step_counter_span: tuple[int, int]
+
+
+class DPGroup:
+    """This rank's handle on the DP group; build it with `DPGroup.join`."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int) -> None:
+        self._group = group
+        self.rank = rank
+        self.size = size
+        self._options = dist.AllreduceOptions()
+        self._options.reduceOp = dist.ReduceOp.MAX
+
+    @classmethod
+    def join(
+        cls, *, host: str, port: int, prefix: str, rank: int, size: int, timeout_s: float
+    ) -> DPGroup:
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, size + 1, False, timeout=timeout)
+        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timeout)
+        return cls(group, rank, size)
+
+    def sync(
+        self, *, has_unfinished: bool, pending_pause: bool, wave: int, step_counter: int
+    ) -> SyncResult:
+        reduced = self._all_reduce(_SYNC, has_unfinished, wave, step_counter, pending_pause)
+        return SyncResult(
+            any_unfinished=bool(reduced[2]),
+            pausing_ranks=int(sum(reduced[7:])),
+            wave_span=(-int(reduced[4]), int(reduced[3])),
+            step_counter_span=(-int(reduced[6]), int(reduced[5])),
+        )
+
+    def barrier(self, *, has_unfinished: bool) -> bool:
+        """The resume barrier: whether any rank holds work."""
+        return bool(self._all_reduce(_BARRIER, has_unfinished, 0, 0, False)[2])
+
+    def _all_reduce(
+        self, kind: int, has_unfinished: bool, wave: int, step_counter: int, vote: bool
+    ) -> list[int]:
+        votes = [0] * self.size
+        votes[self.rank] = int(vote)
+        values = [kind, -kind, int(has_unfinished), wave, -wave, step_counter, -step_counter]
+        tensor = torch.tensor(values + votes, dtype=torch.int64)
+        self._group.allreduce([tensor], self._options).wait()
+        reduced = tensor.tolist()
+        if reduced[0] != -reduced[1]:
+            raise CollectiveMismatchError(
+                f"rank {self.rank} met its peers in different collectives "
+                f"(kinds {-reduced[1]}..{reduced[0]}; 1 = sync, 2 = resume barrier)"
+            )
+        return reduced

@@ -1,0 +1,425 @@
+"""Starting, watching and reaping the coordinator and rank processes of one DP engine.
+
+Theory of operation:
+
+1. Addresses: with `transport="ipc"` every socket is a file in a private temporary
+   directory (removed on exit, whatever happened); with `"tcp"` every listener binds
+   127.0.0.1 port 0 and peers are told the address the kernel actually gave it, so no
+   port is ever picked and bound later. The client listens on everything it receives
+   on or sends to ranks; the coordinator binds its own PULL and PUB and reports them.
+2. Processes come from the `spawn` context (never fork: the client may hold threads
+   and sockets). They start together; the startup handshake then takes the
+   coordinator's `CoordinatorHello` first, and then each rank's `RankHello` (answered
+   with its `RankAssignment`) and `RankReady` (its configuration compared with the
+   client's, a mismatch refused naming every differing field). The whole startup is
+   bounded by `startup_timeout`, and the error names the ranks that did not come up.
+3. A watcher thread waits on every process's sentinel; an exit is reported to the
+   owner (`on_exit`) within moments, during startup and after.
+4. On exit the client's senders close first (ranks and coordinator see end of
+   stream and leave), every process gets a short grace period, then SIGTERM, then
+   SIGKILL, and every one is joined: nothing outlives the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from wavecore.channels import (
+    MessageReceiver,
+    MessageSender,
+    MessageStream,
+    config_hash,
+    open_pull,
+    open_push,
+    open_rep,
+    open_sub,
+)
+from wavecore.engine.config import EngineConfig
+from wavecore.engine.dp import messages as m
+from wavecore.engine.dp.coordinator_process import coordinator_main
+from wavecore.engine.dp.invalid_frames import InvalidFrameLog
+from wavecore.engine.dp.rank_process import BuildCore, describe_config, rank_main
+from wavecore.engine.errors import EngineError
+
+SHUTDOWN_GRACE_S = 3.0
+KILL_GRACE_S = 1.0
+COORDINATOR = "coordinator"
+
+
+class DPStartupError(EngineError):
+    """A rank or the coordinator did not come up (timeout, crash or load failure)."""
+
+
+class ConfigMismatchError(DPStartupError):
+    """A rank reported a configuration different from the client's."""
+
+
+def process_name(rank: int) -> str:
+    return f"rank {rank}"
+
+
+@dataclass(slots=True, kw_only=True)
+class DPWiring:
+    """What the client talks through once startup succeeded."""
+
+    dp_size: int
+    max_model_len: int
+    to_ranks: list[MessageSender]
+    outputs: MessageReceiver
+    to_coordinator: MessageSender
+    coordinator_state: MessageReceiver
+    processes: dict[str, BaseProcess]
+    addresses: dict[str, str] = field(default_factory=dict)
+    ipc_directory: str | None = None
+    invalid_frames: list[InvalidFrameLog] = field(default_factory=list)
+
+
+class _Addresses:
+    def __init__(self, transport: str, host: str) -> None:
+        self.directory = tempfile.mkdtemp(prefix="wavecore-dp-") if transport == "ipc" else None
+        self.base = f"ipc://{self.directory}" if self.directory else f"tcp://{host}"
+
+    def listen(self, name: str) -> str:
+        return f"{self.base}/{name}" if self.directory else f"{self.base}:0"
+
+    def remove(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _host_store(config: EngineConfig, host: str) -> Any:
+    if config.dp_mode != "lockstep":
+        return None
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, None, True, wait_for_workers=False)
+
+
+def _split_master(master: str | None, config: EngineConfig) -> tuple[str, int]:
+    if master is None:
+        return "127.0.0.1", 0
+    if config.transport != "tcp":
+        raise ValueError("ranks joining from elsewhere (master=...) need transport='tcp'")
+    host, _, port = master.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"master must be HOST:PORT, got {master!r}")
+    return host, int(port)
+
+
+@asynccontextmanager
+async def open_dp_processes(
+    config: EngineConfig,
+    *,
+    build_core: BuildCore,
+    on_exit: Callable[[str, int | None], None],
+    rank_configs: Mapping[int, EngineConfig] | None = None,
+    master: str | None = None,
+    local_ranks: Collection[int] | None = None,
+    on_listening: Callable[[str], None] | None = None,
+) -> AsyncIterator[DPWiring]:
+    """Start the coordinator and `config.dp_size` ranks; yield the client's channels.
+
+    `rank_configs` gives chosen ranks a configuration of their own (the handshake must
+    then refuse them unless it equals `config`). `on_exit(name, exitcode)` is called on
+    the event loop when a process ends after startup.
+
+    Headless ranks: with `master="HOST:PORT"` (tcp only) every socket listens on HOST,
+    the ranks' handshake on PORT (0: any, reported to `on_listening`), and only
+    `local_ranks` are spawned here; the others join with `wavecore rank`. Their death is
+    seen when they fail, not by a process watch.
+    """
+    host, port = _split_master(master, config)
+    addresses = _Addresses(config.transport, host)
+    store = _host_store(config, host)
+    spawned = range(config.dp_size) if local_ranks is None else sorted(set(local_ranks))
+    processes: dict[str, BaseProcess] = {}
+    started = False
+    watcher = ProcessWatcher()
+    try:
+        async with AsyncExitStack() as stack:
+            invalid = [InvalidFrameLog("client outputs"), InvalidFrameLog("client state")]
+            coordinator_rep = await stack.enter_async_context(
+                open_rep(listen=addresses.listen("coordinator-handshake"))
+            )
+            rank_handshake = (
+                f"tcp://{host}:{port}" if master else addresses.listen("rank-handshake")
+            )
+            rank_rep = await stack.enter_async_context(open_rep(listen=rank_handshake))
+            if on_listening is not None:
+                on_listening(rank_rep.address)
+            outputs = await stack.enter_async_context(
+                open_pull(
+                    listen=addresses.listen("outputs"),
+                    expected_end_of_streams=config.dp_size,
+                    recv_buffer_size=256,
+                    on_invalid=invalid[0],
+                )
+            )
+            to_ranks = [
+                await stack.enter_async_context(
+                    open_push(listen=addresses.listen(f"rank{rank}-in"), linger=0.5)
+                )
+                for rank in range(config.dp_size)
+            ]
+            context = multiprocessing.get_context("spawn")
+            processes[COORDINATOR] = context.Process(
+                target=coordinator_main,
+                args=(coordinator_rep.address, config.dp_size, addresses.base),
+                name="wavecore-dp-coordinator",
+                daemon=True,
+            )
+            for rank in spawned:
+                rank_config = (rank_configs or {}).get(rank, config)
+                processes[process_name(rank)] = context.Process(
+                    target=rank_main,
+                    args=(rank_rep.address, rank, rank_config, build_core),
+                    name=f"wavecore-dp-rank{rank}",
+                    daemon=True,
+                )
+            for process in processes.values():
+                process.start()
+            wiring = DPWiring(
+                dp_size=config.dp_size,
+                max_model_len=0,
+                to_ranks=to_ranks,
+                outputs=outputs,
+                to_coordinator=None,  # type: ignore[arg-type]  # set by the handshake
+                coordinator_state=None,  # type: ignore[arg-type]
+                processes=processes,
+                invalid_frames=invalid,
+                ipc_directory=addresses.directory,
+            )
+            wiring.addresses["outputs"] = outputs.address
+            wiring.addresses["rank_handshake"] = rank_rep.address
+            async with anyio.create_task_group() as tg, AsyncExitStack() as late:
+                await tg.start(watcher.run, processes, on_exit)
+                await _startup(
+                    late,
+                    config,
+                    wiring,
+                    coordinator_rep,
+                    rank_rep,
+                    to_ranks,
+                    outputs.address,
+                    store,
+                    watcher,
+                )
+                started = True
+                try:
+                    yield wiring
+                finally:
+                    watcher.closing = True
+                    await _close_senders([*to_ranks, wiring.to_coordinator])
+                    with anyio.CancelScope(shield=True):
+                        await _reap(processes, grace=SHUTDOWN_GRACE_S if watcher.clean else 0.0)
+                    watcher.stop()
+    finally:
+        watcher.stop()
+        if not started:
+            with anyio.CancelScope(shield=True):
+                await _reap(processes, grace=0.0)
+        watcher.close()
+        addresses.remove()
+
+
+async def _close_senders(senders: list[MessageSender | None]) -> None:
+    with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_GRACE_S):
+        async with anyio.create_task_group() as tg:
+            for sender in senders:
+                if sender is not None:
+                    tg.start_soon(sender.aclose)
+
+
+async def _startup(
+    stack: AsyncExitStack,
+    config: EngineConfig,
+    wiring: DPWiring,
+    coordinator_rep: MessageStream,
+    rank_rep: MessageStream,
+    to_ranks: list[MessageSender],
+    output_address: str,
+    store: Any,
+    watcher: ProcessWatcher,
+) -> None:
+    expected = describe_config(config)
+    hellos: set[int] = set()
+    ready: set[int] = set()
+    group_prefix = f"wavecore-dp-{uuid.uuid4().hex}"
+    store_host = output_address.removeprefix("tcp://").rpartition(":")[0] or "127.0.0.1"
+
+    async def handshake() -> None:
+        hello = await coordinator_rep.receive()
+        await coordinator_rep.send(m.HandshakeReply(accepted=True, reason=""))
+        wiring.addresses["coordinator_input"] = hello.input_address
+        wiring.addresses["coordinator_publish"] = hello.publish_address
+        while len(ready) < config.dp_size:
+            message = await rank_rep.receive()
+            if isinstance(message, m.RankHello):
+                hellos.add(message.rank)
+                assignment = m.RankAssignment(
+                    rank=message.rank,
+                    dp_size=config.dp_size,
+                    lockstep=config.dp_mode == "lockstep",
+                    sync_interval=config.sync_interval,
+                    input_address=to_ranks[message.rank].address,
+                    output_address=output_address,
+                    coordinator_input_address=hello.input_address,
+                    coordinator_publish_address=hello.publish_address,
+                    store_host=store_host,
+                    store_port=0 if store is None else store.port,
+                    group_prefix=group_prefix,
+                    collective_timeout_s=float(config.startup_timeout),
+                )
+                await rank_rep.send(
+                    m.HandshakeReply(accepted=True, reason="", assignment=assignment)
+                )
+            elif isinstance(message, m.RankStartupFailed):
+                await rank_rep.send(m.HandshakeReply(accepted=False, reason="startup failed"))
+                raise DPStartupError(f"rank {message.rank} failed to start: {message.error}")
+            else:
+                problem = _config_difference(expected, message)
+                await rank_rep.send(m.HandshakeReply(accepted=not problem, reason=problem))
+                if problem:
+                    raise ConfigMismatchError(problem)
+                ready.add(message.rank)
+                if message.rank == 0:
+                    wiring.max_model_len = message.max_model_len
+
+    try:
+        with anyio.fail_after(config.startup_timeout):
+            with anyio.CancelScope() as scope:
+                watcher.on_startup_exit = lambda name, code: scope.cancel()
+                await handshake()
+    except TimeoutError:
+        missing = [r for r in range(config.dp_size) if r not in ready]
+        silent = [r for r in missing if r not in hellos]
+        detail = f" ({', '.join(map(process_name, silent))} never said hello)" if silent else ""
+        raise DPStartupError(
+            f"{', '.join(map(process_name, missing))} did not report ready within "
+            f"{config.startup_timeout} s{detail}"
+        ) from None
+    finally:
+        watcher.on_startup_exit = None
+    if watcher.exits:
+        name, code = watcher.exits[0]
+        raise DPStartupError(f"{name} exited with code {code} during startup")
+    # Opened here, outside the startup's cancel scopes, since they outlive them.
+    wiring.to_coordinator = await stack.enter_async_context(
+        open_push(dial=wiring.addresses["coordinator_input"], linger=0.5)
+    )
+    wiring.coordinator_state = await stack.enter_async_context(
+        open_sub(
+            dial=wiring.addresses["coordinator_publish"],
+            topics=[m.STATE_TOPIC],
+            on_invalid=wiring.invalid_frames[1],
+        )
+    )
+    with anyio.fail_after(config.startup_timeout):
+        await wiring.coordinator_state.wait_connected()
+
+
+def _config_difference(expected: dict[str, str], ready: m.RankReady) -> str:
+    if ready.config_hash == config_hash(expected):
+        return ""
+    names = sorted(set(expected) | set(ready.config_items))
+    differences = [
+        f"{name}: client {expected.get(name)}, rank {ready.config_items.get(name)}"
+        for name in names
+        if expected.get(name) != ready.config_items.get(name)
+    ]
+    return f"rank {ready.rank} configuration differs from the client's: " + "; ".join(
+        differences or ["(hash differs)"]
+    )
+
+
+class ProcessWatcher:
+    """Waits on process sentinels in a worker thread; reports exits on the event loop."""
+
+    def __init__(self) -> None:
+        self._stop_reader, self._stop_writer = socket.socketpair()
+        self.exits: list[tuple[str, int | None]] = []
+        self.on_startup_exit: Callable[[str, int | None], None] | None = None
+        self.clean = True
+        self.closing = False
+
+    async def run(
+        self,
+        processes: dict[str, BaseProcess],
+        on_exit: Callable[[str, int | None], None],
+        *,
+        task_status: anyio.abc.TaskStatus[None],
+    ) -> None:
+        alive = dict(processes)
+        task_status.started()
+        while alive:
+            handles = {process.sentinel: name for name, process in alive.items()}
+            ready = await anyio.to_thread.run_sync(
+                multiprocessing.connection.wait,
+                [*handles, self._stop_reader],
+                abandon_on_cancel=True,
+            )
+            if self._stop_reader in ready:
+                return
+            for handle in ready:
+                name = handles[handle]  # type: ignore[index]
+                process = alive.pop(name)
+                process.join(0)
+                if self.closing:
+                    continue
+                self.exits.append((name, process.exitcode))
+                self.clean = False
+                if self.on_startup_exit is not None:
+                    self.on_startup_exit(name, process.exitcode)
+                else:
+                    on_exit(name, process.exitcode)
+
+    def stop(self) -> None:
+        """Wake the waiting thread so `run` returns."""
+        with contextlib.suppress(OSError):
+            self._stop_writer.send(b"x")
+
+    def close(self) -> None:
+        self._stop_reader.close()
+        self._stop_writer.close()
+
+
+async def _reap(processes: dict[str, BaseProcess], *, grace: float) -> None:
+    started = [p for p in processes.values() if p.pid is not None]
+
+    def join_all(timeout: float) -> None:
+        deadline = _deadline(timeout)
+        for process in started:
+            process.join(max(0.0, deadline()))
+
+    await anyio.to_thread.run_sync(join_all, grace)
+    for process in started:
+        if process.is_alive():
+            process.terminate()
+    await anyio.to_thread.run_sync(join_all, KILL_GRACE_S)
+    for process in started:
+        if process.is_alive():
+            process.kill()
+    # SIGKILL always ends a process, though one stuck in the kernel may take a moment.
+    for process in started:
+        await anyio.to_thread.run_sync(process.join)
+
+
+def _deadline(timeout: float) -> Callable[[], float]:
+    """Seconds left until `timeout` from now (a plain monotonic clock, usable in threads)."""
+    end = time.monotonic() + timeout
+    return lambda: end - time.monotonic()

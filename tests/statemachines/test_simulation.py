@@ -1,0 +1,83 @@
+"""Random interleavings: hypothesis drives a Simulation with submits, deliveries,
+pauses in every mode, resumes (duplicates included), sleeps and scaling."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from wavecore.statemachines import PauseMode, PauseState
+from wavecore.statemachines.sim import Simulation
+
+SLEEP_AND_SCALE = False
+
+
+class DeploymentRules(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sim = Simulation(2, seed=0, sync_interval=3)
+
+    @rule(seed=st.integers(0, 2**16), dp_size=st.sampled_from([2, 3]))
+    @precondition(lambda self: self.sim.moves == 0 and self.sim.world.client.submitted == 0)
+    def restart(self, seed: int, dp_size: int) -> None:
+        self.sim = Simulation(dp_size, seed=seed, sync_interval=3)
+
+    @rule(steps=st.integers(1, 4), stalls=st.integers(0, 1))
+    def submit(self, steps: int, stalls: int) -> None:
+        if self.sim.world.client.scaling_to is None:
+            self.sim.submit(steps=steps, stalls=stalls)
+
+    @rule(moves=st.integers(1, 25))
+    def deliver_and_step(self, moves: int) -> None:
+        for _ in range(moves):
+            if not self.sim.step():
+                break
+
+    @rule(mode=st.sampled_from(PauseMode))
+    def pause(self, mode: PauseMode) -> None:
+        if self.sim.world.refusal(("pause", mode)) is None and not self.sim.reconfiguring:
+            self.sim.pause(mode)
+
+    @rule()
+    def resume(self) -> None:
+        if self.sim.world.refusal(("resume",)) is None and not self.sim.reconfiguring:
+            self.sim.resume()
+
+    @rule(level=st.sampled_from([0, 1]))
+    @precondition(lambda self: SLEEP_AND_SCALE)
+    def sleep_then_wake(self, level: int) -> None:
+        if self.sim.world.refusal(("sleep", level)) is None and not self.sim.reconfiguring:
+            self.sim.sleep(level)
+            self.sim.run()
+            self.sim.wake()
+
+    @rule(dp_size=st.sampled_from([1, 2, 3]))
+    @precondition(lambda self: SLEEP_AND_SCALE)
+    def scale(self, dp_size: int) -> None:
+        world = self.sim.world
+        allowed = world.refusal(("scale_prepare", dp_size)) is None
+        if dp_size != world.client.group and allowed and not self.sim.reconfiguring:
+            self.sim.scale(dp_size)
+
+    @invariant()
+    def ranks_agree_on_the_wave_when_idle(self) -> None:
+        world = self.sim.world
+        ranks = [world.ranks[r] for r in world.group]
+        if world.quiescent() and all(m.pause_state is PauseState.UNPAUSED for m in ranks):
+            assert len({m.wave for m in ranks}) == 1
+
+    def teardown(self) -> None:
+        # Finish the story: undo any pause and let everything drain; every invariant
+        # of the world is checked on the way and at quiescence.
+        self.sim.run()
+        if self.sim.world.refusal(("resume",)) is None and not self.sim.reconfiguring:
+            self.sim.resume()
+        elif self.sim.world.client.asleep:
+            self.sim.wake()
+        self.sim.run()
+        assert self.sim.quiescent()
+        lost = set(range(self.sim.world.client.submitted)) - self.sim.world.client.done
+        assert not lost
+
+
+TestDeployment = DeploymentRules.TestCase
