@@ -7,6 +7,8 @@ For each decode batch size B, both sides prefill the same B prompts (token ids,
 and at batch 1 also transformers `generate`. The roof is this machine's float32
 matmul rate (a 2048^3 product); a decode step costs 2 x parameters x tokens FLOPs,
 so "roof" is that over the step time, as a fraction of the measured GFLOP/s.
+Decode rates use the median step time, so a load spike from another process on a
+shared machine moves them little; the load average is recorded with the results.
 
 Prints a table, writes bench/results/model.json. `--quick` shrinks everything for a
 smoke test; `--model` takes any model spec (a GGUF file or a Hugging Face directory).
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -77,10 +81,12 @@ def wavecore_decode(executor: ModelExecutor, prompts: list[list[int]], steps: in
 
     step()  # prefill
     step()  # warm-up decode
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
+        start = time.perf_counter()
         step()
-    return len(prompts) * steps / (time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
+    return len(prompts) / statistics.median(times)
 
 
 def load_transformers(model: str | None, executor: ModelExecutor) -> Any:
@@ -103,11 +109,13 @@ def transformers_decode(model: Any, prompts: list[list[int]], steps: int) -> flo
         next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
         out = model(next_ids, past_key_values=cache, use_cache=True)  # warm-up
         cache, next_ids = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        start = time.perf_counter()
+        times = []
         for _ in range(steps):
+            start = time.perf_counter()
             out = model(next_ids, past_key_values=cache, use_cache=True)
             cache, next_ids = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        return len(prompts) * steps / (time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
+        return len(prompts) / statistics.median(times)
 
 
 def transformers_generate(model: Any, prompt: list[int], steps: int) -> float:
@@ -201,6 +209,8 @@ def main() -> None:
         "context": context,
         "decode_steps": steps,
         "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "load_average_at_end": os.getloadavg(),
         "machine": platform.processor() or platform.machine(),
         "matmul_gflops": roof,
         "decode": rows,

@@ -16,7 +16,8 @@ import cbor2
 from .builtin_messages import Hello, Welcome
 from .errors import DecodeError, HandshakeError
 
-WIRE_VERSION = 1
+# 2: long `tuple[int, ...]` / `list[int]` fields travel as typed arrays (see `writer`).
+WIRE_VERSION = 2
 
 
 def config_hash(config: Any) -> str:

@@ -190,7 +190,8 @@ def _message_decoder(
 
     The source is generated (as `dataclasses` does for `__init__`) so that the hot path is
     straight-line code: a field whose value already has its hint's exact type (str, int,
-    bytes, bool) costs one `type(x) is T` test, any other goes through its `FieldCheck`.
+    float, bytes, bool, None, a nested message) costs one `type(x) is T` test, any other
+    goes through its `FieldCheck`.
     Field errors reject only this message (`Rejected`), so that the rest of a batch frame
     still arrives; structural garbage elsewhere fails the whole frame.
     """

@@ -139,12 +139,13 @@ def _write_ndarray(out: Chunks, value: np.ndarray, marked: str | None = None) ->
         _write_str(out, marked)
     out.append(head(6, TAG_MULTI_DIM_ARRAY))
     out.append(b"\x82")
-    out.append(head(4, little.ndim))
-    for size in little.shape:
+    # Dims from `value`: np.ascontiguousarray turns a 0-d array into a 1-d one.
+    out.append(head(4, value.ndim))
+    for size in value.shape:
         _write_int(out, size)
     out.append(head(6, tag))
     out.append(head(2, little.nbytes))
-    out.append(memoryview(little).cast("B"))
+    out.append(memoryview(little.reshape(-1)).cast("B"))
 
 
 def _write_tensor(out: Chunks, value: Any) -> None:
@@ -234,7 +235,7 @@ class CborWriter:
         for name, kind in fields:
             lines.append(f"    v = value.{name}")
             lines += _FIELD_SOURCE[kind]
-        # The source is built from field names (identifiers) and the fixed snippets below.
+        # The source is built from field names (identifiers) and the fixed snippets above.
         exec("\n".join(lines), namespace)
         self._by_type[cls] = namespace["write_message"]
 
@@ -245,9 +246,6 @@ class CborWriter:
         out: Chunks = []
         write(out, message)
         return b"".join(out)
-
-    def is_message(self, cls: type) -> bool:
-        return cls in self._by_type and cls not in _VALUE_TYPES
 
     def write_any(self, out: Chunks, value: Any) -> None:
         write = self._by_type.get(type(value))
@@ -288,9 +286,6 @@ class CborWriter:
         for key, item in value.items():
             self.write_any(out, key)
             self.write_any(out, item)
-
-
-_VALUE_TYPES = frozenset({int, str, bytes, float, bool, type(None), tuple, list, dict, np.ndarray})
 
 
 def _is_tensor(value: object) -> bool:

@@ -66,6 +66,7 @@ class AsyncEngine:
         self._closed = False
         self._pause_done: anyio.Event | None = None
         self._pausing: PauseMode | None = None
+        self._waiting_callers: dict[anyio.Event, list[tuple[bool, Any]]] = {}
 
     # -- calls -----------------------------------------------------------------
 
@@ -90,9 +91,10 @@ class AsyncEngine:
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self._outputs.add(request)
-        self._command(lambda: self._core.add_request(request))
         finished = False
         try:
+            # Through the loop, so a refusal (or a dead engine) reaches this caller.
+            await self._between_steps(lambda: self._core.add_request(request))
             while not finished:
                 delta = await stream.get()
                 finished = delta.finished
@@ -128,7 +130,7 @@ class AsyncEngine:
         self._check_open()
         if self._pausing is not None:
             raise PauseInProgressError(f"a {self._pausing.name} pause is still completing")
-        self._command(self._core.resume)
+        await self._between_steps(self._core.resume)
 
     async def sleep(self, level: int = 1) -> None:
         """Pause (keeping requests) and free memory: level 1 offloads the weights and
@@ -226,6 +228,7 @@ class AsyncEngine:
     async def _between_steps(self, action: Callable[[], Awaitable[Any] | Any]) -> Any:
         """Have the loop run `action` between two steps, in order with other commands,
         and return its result (or raise its error) to this caller."""
+        self._check_open()
         done = anyio.Event()
         outcome: list[tuple[bool, Any]] = []
 
@@ -238,8 +241,11 @@ class AsyncEngine:
             except Exception as error:  # the caller's error, not the loop's
                 outcome.append((False, error))
             finally:
+                self._waiting_callers.pop(done, None)
                 done.set()
 
+        # If the engine stops before the loop gets here, `_fail_all` answers instead.
+        self._waiting_callers[done] = outcome
         self._command(command)
         await done.wait()
         ok, value = outcome[0]
@@ -269,6 +275,10 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.fail(error)
         self._streams.clear()
+        for done, outcome in self._waiting_callers.items():
+            outcome.append((False, error))
+            done.set()
+        self._waiting_callers.clear()
         if self._pause_done is not None:
             self._pause_done.set()
 

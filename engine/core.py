@@ -27,7 +27,7 @@ from wavecore.engine.batch import Executor, ModelOutput
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.errors import (
     DuplicateRequestError,
-    EngineError,
+    EngineAsleepError,
     InvalidRequestError,
     PromptTooLongError,
 )
@@ -52,10 +52,6 @@ _PAUSE_STATES = {
     PauseMode.WAIT: PauseState.PAUSED_NEW,
     PauseMode.KEEP: PauseState.PAUSED_ALL,
 }
-
-
-class EngineAsleepError(EngineError):
-    """Resume was asked while part of the engine is still asleep."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,10 +111,7 @@ class EngineCore:
             seed=config.seed,
         )
         source = executor.source
-        if source.format == "gguf":
-            tokenizer = Tokenizer.from_gguf(source.path)
-        else:
-            tokenizer = Tokenizer.from_hf_dir(source.path)
+        tokenizer = Tokenizer.from_source(source)
         return cls(
             executor=executor, tokenizer=tokenizer, config=config, eos_token_id=source.eos_token_id
         )
@@ -134,10 +127,7 @@ class EngineCore:
         from wavecore.engine.model.resolve import resolve_model_source
         from wavecore.engine.sampling.tokenizer import Tokenizer
 
-        source = resolve_model_source(config.model)
-        if source.format == "gguf":
-            return Tokenizer.from_gguf(source.path)
-        return Tokenizer.from_hf_dir(source.path)
+        return Tokenizer.from_source(resolve_model_source(config.model))
 
     @classmethod
     def _with_null_executor(cls, config: EngineConfig) -> EngineCore:

@@ -35,6 +35,10 @@ class PauseInProgressError(EngineError):
     """Resume, sleep or a second pause arrived while a pause is still completing."""
 
 
+class EngineAsleepError(EngineError):
+    """Resume was asked while part of the engine is still asleep; wake it up first."""
+
+
 class EngineDeadError(EngineError):
     """The engine stopped after a failure; every later call raises this at once."""
 

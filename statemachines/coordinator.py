@@ -14,7 +14,10 @@ Theory of operation:
 5. ``RankStats`` updates that rank's counts and asks for a publication the caller may
    rate-limit (``immediate=False``); wave changes ask for one at once.
 6. ``Resize`` (elastic scaling) changes the number of ranks; statistics of removed
-   ranks are dropped and new ranks start at zero.
+   ranks are dropped and new ranks start at zero. A message from a removed rank, or a
+   ``FirstRequest`` naming one, can still arrive after the resize (it was in flight on
+   another connection): it is about a wave the scale's pause ended, so it is ignored. A
+   rank that never belonged to the group is refused.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ class CoordinatorSnapshot:
     phase: CoordinatorPhase
     wave: int
     loads: tuple[RankLoad, ...]
+    departed: frozenset[int] = frozenset()
 
 
 _IDLE, _RUNNING = CoordinatorPhase
@@ -162,9 +166,13 @@ class CoordinatorMachine(TableMachine[CoordinatorSnapshot]):
 
     # -- handlers ----------------------------------------------------------------------
 
-    def _check_rank(self, state: CoordinatorSnapshot, event: object, rank: int) -> None:
-        if not 0 <= rank < len(state.loads):
-            raise self.refuse(state, event, f"rank {rank} outside dp_size {len(state.loads)}")
+    def _current_rank(self, state: CoordinatorSnapshot, event: object, rank: int) -> bool:
+        """Whether ``rank`` is in the group (False: it left, its news is stale)."""
+        if 0 <= rank < len(state.loads):
+            return True
+        if rank in state.departed:
+            return False
+        raise self.refuse(state, event, f"rank {rank} outside dp_size {len(state.loads)}")
 
     def _publish(self, state: CoordinatorSnapshot, *, immediate: bool) -> PublishState:
         return PublishState(
@@ -175,8 +183,7 @@ class CoordinatorMachine(TableMachine[CoordinatorSnapshot]):
         )
 
     def on_first_request(self, state: CoordinatorSnapshot, event: FirstRequest) -> Result:
-        self._check_rank(state, event, event.rank)
-        if state.phase is _RUNNING:
+        if not self._current_rank(state, event, event.rank) or state.phase is _RUNNING:
             return state, ()
         wave = max(state.wave, event.wave)
         woken = replace(state, wave=wave)
@@ -185,7 +192,8 @@ class CoordinatorMachine(TableMachine[CoordinatorSnapshot]):
         return woken, (BroadcastStartWave(wave=wave, exclude_rank=event.rank),)
 
     def on_started(self, state: CoordinatorSnapshot, event: RankStartedWave) -> Result:
-        self._check_rank(state, event, event.rank)
+        if not self._current_rank(state, event, event.rank):
+            return state, ()
         newer = event.wave > state.wave
         if not newer and not (event.wave == state.wave and state.phase is _IDLE):
             return state, ()
@@ -200,7 +208,8 @@ class CoordinatorMachine(TableMachine[CoordinatorSnapshot]):
         return idle, (self._publish(idle, immediate=True),)
 
     def on_stats(self, state: CoordinatorSnapshot, event: RankStats) -> Result:
-        self._check_rank(state, event, event.rank)
+        if not self._current_rank(state, event, event.rank):
+            return state, ()
         load = RankLoad(waiting=event.waiting, running=event.running, kv_usage=event.kv_usage)
         if state.loads[event.rank] == load:
             return state, ()
@@ -211,5 +220,7 @@ class CoordinatorMachine(TableMachine[CoordinatorSnapshot]):
     def on_resize(self, state: CoordinatorSnapshot, event: Resize) -> Result:
         kept = state.loads[: event.dp_size]
         loads = kept + tuple(RankLoad() for _ in range(event.dp_size - len(kept)))
-        resized = replace(state, loads=loads)
+        removed = frozenset(range(event.dp_size, len(state.loads)))
+        departed = (state.departed | removed) - frozenset(range(event.dp_size))
+        resized = replace(state, loads=loads, departed=departed)
         return resized, (self._publish(resized, immediate=True),)

@@ -22,7 +22,8 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
    step, else ``RunDummyBatch``), ``step_counter`` counts them, and the rank syncs on
    step 1 of a wave and every ``sync_interval`` steps. Only an all-reduce stops a wave.
 3. Independent mode: no syncs, no dummy batches, no waves; the rank runs while it has
-   work and pauses on its own.
+   work and pauses on its own (a WAIT pause after a step that ran nothing or finished
+   its last request).
 4. A wake not decided by a collective is announced with ``NotifyStartWave``: a request
    reaching an idle unpaused rank (whatever its wave), or a ``StartWave`` acted upon.
    ``StartWave`` is ignored while ``ignore_start_wave`` is set, for an older wave, by
@@ -31,7 +32,8 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
    ``NotifyWaveComplete``. Every rank does ``wave += 1`` and ``step_counter = 0``.
 6. Pause phase 1 (PENDING): the scheduler is paused in the requested mode and a
    lockstep rank is forced running, so it keeps serving peers. It votes for the pause
-   at each sync (a WAIT pause only once nothing of its own executes any more).
+   at each sync (a WAIT pause only once nothing of its own executes any more; until
+   then it reports work, so the wave cannot end under it).
 7. Pause phase 2: when every rank votes, the wave ends (rule 5), ``ignore_start_wave``
    is set, a WAIT scheduler is frozen (KEEP) and ``PauseComplete`` is returned, after
    the last forward of that iteration. A pause while paused answers at once and only
@@ -45,7 +47,9 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
     then ``EnterSleep``. ``WakeUpRequested`` wakes the given parts; the rank resumes
     (rule 9) only when nothing is asleep any more. Resume while asleep is refused.
 11. ``Reconfigured`` (elastic scaling) is taken only while paused and idle: the rank
-    adopts its new rank, group size, and the group's max of wave and step counter.
+    adopts its new rank, group size, and the group's max of wave and step counter. A
+    rank built ``joining`` (scale up) starts paused (KEEP) with ``ignore_start_wave``;
+    no action says so, so its loop must start its scheduler paused (KEEP) too.
 12. ``SyncDone`` may carry the spans (min, max) of the participants' wave and step
     counter; any difference raises ``LockstepDriftError`` instead of hanging later.
 """
@@ -410,6 +414,41 @@ class RankMachine(TableMachine[RankSnapshot]):
         """Rule 8: a waiting request is announced."""
         return (RequestHeld(reason="asleep" if state.asleep else "paused"),)
 
+    def sync_contribution(self, state: RankSnapshot, event: StepDone, counter: int) -> SyncDP:
+        """Rules 6 and 7: a pausing rank votes, a WAIT pause only once nothing of its
+        own executes any more. Until then it reports work, so the wave goes on until it
+        can vote: a draining rank that reported none could end the wave with its pause
+        still pending, leaving its peers to pause without it."""
+        draining = state.pause_mode is PauseMode.WAIT and event.executed
+        return SyncDP(
+            has_unfinished=event.has_unfinished or draining,
+            pending_pause=state.pause_state is PauseState.PENDING and not draining,
+            wave=state.wave,
+            step_counter=counter,
+        )
+
+    def independent_pause_reached(self, state: RankSnapshot, event: StepDone) -> bool:
+        """Rule 3: an independent rank reaches its pause on its own, a WAIT pause once
+        nothing of its own executes any more: after a step that ran nothing, or one that
+        finished its last request (it would otherwise go idle with the pause pending,
+        and never answer it)."""
+        return state.pause_state is PauseState.PENDING and (
+            state.pause_mode is not PauseMode.WAIT
+            or not event.executed
+            or not event.has_unfinished
+        )
+
+    def pause_while_paused(self, state: RankSnapshot, event: PauseRequested) -> Result:
+        """Rule 7: answered at once. Past consensus nothing may run, so only an ABORT
+        (dropping requests) touches the frozen scheduler: a WAIT would let admitted
+        requests step again."""
+        if event.mode is not PauseMode.ABORT:
+            return state, (PauseComplete(),)
+        return replace(state, pause_mode=event.mode), (
+            PauseScheduler(mode=event.mode),
+            PauseComplete(),
+        )
+
     # -- handlers ----------------------------------------------------------------------
 
     def on_request(self, state: RankSnapshot, event: RequestArrived) -> Result:
@@ -453,25 +492,12 @@ class RankMachine(TableMachine[RankSnapshot]):
         counter = state.step_counter + 1 if self.counts_step(event) else state.step_counter
         state = replace(state, step_counter=counter)
         if counter and self.sync_due(counter):
-            draining = state.pause_mode is PauseMode.WAIT and event.executed
-            vote = state.pause_state is PauseState.PENDING and not draining
-            # A draining rank does not vote yet, so it reports work: the wave must go on
-            # until it can vote, or it would be left pausing alone.
-            actions.append(
-                SyncDP(
-                    has_unfinished=event.has_unfinished or draining,
-                    pending_pause=vote,
-                    wave=state.wave,
-                    step_counter=counter,
-                )
-            )
+            actions.append(self.sync_contribution(state, event, counter))
             state = replace(state, phase=_SYNCING)
         return state, tuple(actions)
 
     def _independent_step(self, state: RankSnapshot, event: StepDone) -> Result:
-        if state.pause_state is PauseState.PENDING and (
-            state.pause_mode is not PauseMode.WAIT or not event.executed
-        ):
+        if self.independent_pause_reached(state, event):
             return self._pause_reached(state, ())
         if state.pause_state is PauseState.PAUSED or not event.has_unfinished:
             return replace(state, phase=_IDLE, running=False), (Idle(),)
@@ -526,13 +552,9 @@ class RankMachine(TableMachine[RankSnapshot]):
         return paused, (*actions, *freeze, PauseComplete(), *sleep, Idle())
 
     def on_pause(self, state: RankSnapshot, event: PauseRequested) -> Result:
-        scheduler = (PauseScheduler(mode=event.mode),)
         if state.pause_state is PauseState.PAUSED:
-            # Past consensus nothing may run: only ABORT (dropping requests) may change
-            # the frozen scheduler; a WAIT would let admitted requests step again.
-            if event.mode is not PauseMode.ABORT:
-                return state, (PauseComplete(),)
-            return replace(state, pause_mode=event.mode), (*scheduler, PauseComplete())
+            return self.pause_while_paused(state, event)
+        scheduler = (PauseScheduler(mode=event.mode),)
         pending = replace(state, pause_state=PauseState.PENDING, pause_mode=event.mode)
         if self.lockstep:
             pending = replace(pending, phase=_RUNNING, running=True)

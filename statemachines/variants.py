@@ -12,7 +12,9 @@ from dataclasses import dataclass, replace
 from .coordinator import CoordinatorMachine, CoordinatorSnapshot
 from .rank import (
     PauseComplete,
+    PauseMode,
     PauseRequested,
+    PauseScheduler,
     PauseState,
     RankMachine,
     RankPhase,
@@ -21,6 +23,7 @@ from .rank import (
     ResumeBarrier,
     StartWave,
     StepDone,
+    SyncDP,
 )
 
 
@@ -116,9 +119,44 @@ class IgnoresRequestForCurrentWave(RankMachine):
         return super().wakes_on_request(state, event) and event.wave != state.wave
 
 
+class LoosensFrozenScheduler(RankMachine):
+    """Rank rule 7: a pause while paused re-pauses the scheduler in its own mode, so a
+    WAIT lets requests admitted before the consensus step again."""
+
+    def pause_while_paused(
+        self, state: RankSnapshot, event: PauseRequested
+    ) -> tuple[RankSnapshot, tuple[object, ...]]:
+        return replace(state, pause_mode=event.mode), (
+            PauseScheduler(mode=event.mode),
+            PauseComplete(),
+        )
+
+
+class HidesDrainingWork(RankMachine):
+    """Rank rule 6: a WAIT-pausing rank still draining reports no work, so the wave can
+    end under it with its pause pending, and its peers pause without it."""
+
+    def sync_contribution(self, state: RankSnapshot, event: StepDone, counter: int) -> SyncDP:
+        contribution = super().sync_contribution(state, event, counter)
+        return replace(contribution, has_unfinished=event.has_unfinished)
+
+
+class IdlesWithWaitPausePending(RankMachine):
+    """Rank rule 3: an independent WAIT-pausing rank that finishes its last request goes
+    idle with the pause pending and never answers it."""
+
+    def independent_pause_reached(self, state: RankSnapshot, event: StepDone) -> bool:
+        return state.pause_state is PauseState.PENDING and (
+            state.pause_mode is not PauseMode.WAIT or not event.executed
+        )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Variant:
-    failure_mode: int
+    """One broken rule; ``failure_mode`` numbers it in protocol.md (None: a rule of
+    wavecore's own machines)."""
+
+    failure_mode: int | None
     rank_class: type[RankMachine] = RankMachine
     coordinator_class: type[CoordinatorMachine] = CoordinatorMachine
 
@@ -136,4 +174,10 @@ VARIANTS: dict[str, Variant] = {
     "no_step_one_sync": Variant(failure_mode=9, rank_class=SyncsOnlyEveryInterval),
     "silent_wait": Variant(failure_mode=10, rank_class=WaitsSilently),
     "equal_wave_no_wake": Variant(failure_mode=11, rank_class=IgnoresRequestForCurrentWave),
+    # Rules of wavecore's own machines, not numbered in protocol.md.
+    "repause_loosens_scheduler": Variant(failure_mode=None, rank_class=LoosensFrozenScheduler),
+    "draining_rank_hides_work": Variant(failure_mode=None, rank_class=HidesDrainingWork),
+    "independent_wait_pause_idles": Variant(
+        failure_mode=None, rank_class=IdlesWithWaitPausePending
+    ),
 }

@@ -21,7 +21,8 @@ Theory of operation:
    never goes backwards nor ahead of the ranks, and no deadlock (a rank in a collective
    while a peer is idle, or in another collective, with nothing in flight). At
    quiescence (nothing to deliver, nothing to step): the coordinator agrees with the
-   ranks and every accepted request finished unless the engines are paused.
+   ranks, every pause or sleep the client waits for was answered, and every accepted
+   request finished unless the engines are paused.
 6. The world is a value: ``clone()`` is cheap (machines keep their state in one frozen
    snapshot) and ``key()`` hashes everything that decides the future.
 """
@@ -142,9 +143,15 @@ class ClientState:
     done: frozenset[int] = frozenset()
     held: frozenset[int] = frozenset()
     awaiting: frozenset[int] = frozenset()
+    # The reply that answers the awaited call: a rank also answers calls the client does
+    # not wait for (a wake), and such a reply must not count as the answer to a pause.
+    awaited_reply: type[PauseComplete] | type[EnterSleep] | None = None
     paused: bool = False
     asleep: bool = False
     scaling_to: int | None = None
+    # The ranks switched groups; the client waits for the coordinator's publication of
+    # the new size before it uses the new table or resumes.
+    committed: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,6 +172,7 @@ class World:
     loops: list[RankLoop]
     coordinator: CoordinatorMachine
     client: ClientState
+    group_size: int
     channels: dict[tuple[Party, Party], tuple[Message, ...]] = field(default_factory=dict)
     scaling: dict[int, ScalingMachine] = field(default_factory=dict)
     trace: list[str] | None = None
@@ -179,6 +187,7 @@ class World:
             loops=[RankLoop() for _ in range(n)],
             coordinator=config.coordinator_class(n),
             client=ClientState(group=n),
+            group_size=n,
         )
 
     @staticmethod
@@ -196,6 +205,7 @@ class World:
             loops=list(self.loops),
             coordinator=self.coordinator.copy(),  # type: ignore[arg-type]
             client=self.client,
+            group_size=self.group_size,
             channels=dict(self.channels),
             scaling={r: m.copy() for r, m in self.scaling.items()},  # type: ignore[misc]
             views_matter=self.views_matter,
@@ -205,7 +215,12 @@ class World:
         """The client will submit nothing more: its view of the engines no longer decides
         anything, so it is dropped (fewer distinct states, same futures)."""
         self.views_matter = False
-        self.channels.pop((COORDINATOR, CLIENT), None)
+        # A publication of a new group size still matters: it ends a reconfiguration.
+        resizes = tuple(
+            m for m in self.channels.pop((COORDINATOR, CLIENT), ()) if m[3] != self.client.group
+        )
+        if resizes:
+            self.channels[COORDINATOR, CLIENT] = resizes
         self.client = replace(self.client, wave=0, running=False)
 
     def key(self) -> tuple[object, ...]:
@@ -225,6 +240,7 @@ class World:
             tuple(loops),
             self.coordinator.snapshot(),
             self.client,
+            self.group_size,
             frozenset(self.channels.items()),
             tuple(sorted((r, m.snapshot()) for r, m in self.scaling.items())),
         )
@@ -247,7 +263,8 @@ class World:
 
     @property
     def group(self) -> range:
-        return range(self.client.group)
+        """The ranks of the DP group as it is now (it changes at a scale's commit)."""
+        return range(self.group_size)
 
     def _note(self, text: str | Callable[[], str]) -> None:
         if self.trace is not None:
@@ -294,10 +311,20 @@ class World:
         if receiver == COORDINATOR:
             self._coordinator_receives(message)
         elif receiver == CLIENT:
-            _, wave, running = message
-            self.client = replace(self.client, wave=wave, running=running)  # type: ignore[arg-type]
+            self._client_receives(message)
         else:
             self._rank_receives(receiver, message)  # type: ignore[arg-type]
+
+    def _client_receives(self, message: Message) -> None:
+        _, wave, running, dp_size = message
+        client = self.client
+        if self.views_matter:
+            client = replace(client, wave=wave, running=running)  # type: ignore[arg-type]
+        if client.committed and dp_size == client.scaling_to:
+            # The coordinator knows the new group: the client's table may grow and the
+            # engines may resume without a new rank's messages reaching it first.
+            client = replace(client, group=dp_size, scaling_to=None, committed=False)
+        self.client = client
 
     # -- coordinator ----------------------------------------------------------------------
 
@@ -313,10 +340,15 @@ class World:
             event = Resize(dp_size=message[1])  # type: ignore[arg-type]
         for action in self._handle(self.coordinator, event, "coordinator"):
             if isinstance(action, BroadcastStartWave):
-                for r in self.group:
+                # To the ranks the coordinator knows that still exist: between a commit
+                # and the coordinator's resize the two differ.
+                for r in range(min(self.coordinator.dp_size, self.group_size)):
                     self._send(COORDINATOR, r, ("start_dp_wave", action.wave, action.exclude_rank))
-            elif isinstance(action, PublishState) and self.views_matter:
-                self._send(COORDINATOR, CLIENT, ("publish", action.wave, action.engines_running))
+            elif isinstance(action, PublishState) and (
+                self.views_matter or len(action.loads) != self.client.group
+            ):
+                publication = ("publish", action.wave, action.engines_running, len(action.loads))
+                self._send(COORDINATOR, CLIENT, publication)
 
     def _handle(self, machine: object, event: object, who: str) -> tuple[object, ...]:
         try:
@@ -406,21 +438,24 @@ class World:
                 if self.config.duplicate_wave_complete:
                     self._send(DUPLICATOR, COORDINATOR, ("wave_complete", action.wave))
             elif isinstance(action, PauseComplete | EnterSleep):
-                self._answered(r)
+                self._answered(r, action)
             elif isinstance(action, PauseScheduler):
                 self._pause_scheduler(r, action.mode)
             elif isinstance(action, ResumeScheduler):
                 self.loops[r] = replace(loop, scheduler_pause=None)
             elif isinstance(action, RequestHeld) and request_id is not None:
                 self.client = replace(self.client, held=self.client.held | {request_id})
-            elif isinstance(action, WakeUp):
-                self._answered(r)
         self._complete_collective()
 
-    def _answered(self, r: int) -> None:
+    def _answered(self, r: int, reply: object) -> None:
+        if type(reply) is not self.client.awaited_reply:
+            return
         awaiting = self.client.awaiting - {r}
         paused = self.client.paused or (bool(self.client.awaiting) and not awaiting)
-        self.client = replace(self.client, awaiting=awaiting, paused=paused)
+        awaited_reply = self.client.awaited_reply if awaiting else None
+        self.client = replace(
+            self.client, awaiting=awaiting, paused=paused, awaited_reply=awaited_reply
+        )
 
     def _pause_scheduler(self, r: int, mode: PauseMode) -> None:
         loop = self.loops[r]
@@ -532,6 +567,12 @@ class World:
             raise Violation(
                 "coordinator_wave", f"coordinator at {self.coordinator.wave}, ranks {waves}"
             )
+        if self.client.awaiting:
+            raise Violation(
+                "call_unanswered",
+                f"ranks {sorted(self.client.awaiting)} never answered the client's "
+                f"{self.client.awaited_reply.__name__ if self.client.awaited_reply else 'call'}",
+            )
         paused = any(m.pause_state is not PauseState.UNPAUSED or m.asleep for m in ranks)
         lost = set(range(self.client.submitted)) - self.client.done
         if lost and not paused:
@@ -553,23 +594,27 @@ class World:
 
     def refusal(self, op: tuple[object, ...]) -> str | None:
         """Why the client would refuse ``op`` now, or None when it may go ahead."""
-        busy = self.client.awaiting
+        client = self.client
+        busy = client.awaiting
         kind = op[0]
         if kind in ("pause", "sleep", "scale_prepare") and busy:
             return "a pause or sleep is still in flight"
+        if kind in ("pause", "sleep", "wake", "resume") and client.scaling_to is not None:
+            # The scale's own script pauses, commits and resumes.
+            if kind != "resume" or not client.committed:
+                return "a reconfiguration is in progress"
+            return "the coordinator has not confirmed the new group yet"
         if kind == "resume":
             if busy:
                 return "a pause is still in flight"
-            if self.client.asleep:
+            if client.asleep:
                 return "asleep: wake up first"
-            if self.client.scaling_to is not None:
-                return "a reconfiguration waits for its commit"
         if kind == "wake" and busy:
             return "a sleep is still in flight"
-        if kind == "scale_prepare" and (self.client.scaling_to is not None or self.client.paused):
+        if kind == "scale_prepare" and (client.scaling_to is not None or client.paused):
             return "a reconfiguration is active or the engines are paused"
         if kind == "scale_commit" and (
-            self.client.scaling_to is None or busy or not self.client.paused
+            client.scaling_to is None or client.committed or busy or not client.paused
         ):
             return "no prepared reconfiguration is paused and ready"
         return None
@@ -581,15 +626,15 @@ class World:
         self._note(f"client {op}")
         kind = op[0]
         if kind == "pause":
-            self._broadcast(("pause", op[1]), awaiting=True)
+            self._broadcast(("pause", op[1]), reply=PauseComplete)
         elif kind == "resume":
-            self._broadcast(("resume",), awaiting=False)
+            self._broadcast(("resume",), reply=None)
             self.client = replace(self.client, paused=False)
         elif kind == "sleep":
-            self._broadcast(("sleep", op[1]), awaiting=True)
+            self._broadcast(("sleep", op[1]), reply=EnterSleep)
             self.client = replace(self.client, asleep=True)
         elif kind == "wake":
-            self._broadcast(("wake", None), awaiting=False)
+            self._broadcast(("wake", None), reply=None)
             self.client = replace(self.client, asleep=False, paused=False)
         elif kind == "scale_prepare":
             self._scale_prepare(op[1])  # type: ignore[arg-type]
@@ -599,11 +644,14 @@ class World:
             raise ValueError(f"unknown client operation {op!r}")
         self._check_after_move(self.coordinator.wave)
 
-    def _broadcast(self, message: Message, *, awaiting: bool) -> None:
-        for r in self.group:
+    def _broadcast(
+        self, message: Message, *, reply: type[PauseComplete] | type[EnterSleep] | None
+    ) -> None:
+        table = range(self.client.group)
+        for r in table:
             self._send(CLIENT, r, message)
-        if awaiting:
-            self.client = replace(self.client, awaiting=frozenset(self.group))
+        if reply is not None:
+            self.client = replace(self.client, awaiting=frozenset(table), awaited_reply=reply)
 
     def _scale_prepare(self, dp_size: int) -> None:
         old = self.client.group
@@ -621,12 +669,19 @@ class World:
             self._handle(machine, GroupPrepared(), f"scaling {r}")
             self.scaling[r] = machine
             if role is ScaleRole.NEW:
-                self.ranks.append(self._new_rank(self.config, r, dp_size, joining=True))
-                self.loops.append(RankLoop())
+                joining = self._new_rank(self.config, r, dp_size, joining=True)
+                self.ranks.append(joining)
+                # A joining rank starts paused: its scheduler must hold what reaches it.
+                self.loops.append(RankLoop(scheduler_pause=joining.snapshot().pause_mode))
         for r in range(old):
             mode = PauseMode.ABORT if r >= dp_size else PauseMode.KEEP
             self._send(CLIENT, r, ("pause", mode))
-        self.client = replace(self.client, awaiting=frozenset(range(old)), scaling_to=dp_size)
+        self.client = replace(
+            self.client,
+            awaiting=frozenset(range(old)),
+            awaited_reply=PauseComplete,
+            scaling_to=dp_size,
+        )
 
     def _scale_commit(self, dp_size: int) -> None:
         for r, machine in sorted(self.scaling.items()):
@@ -661,7 +716,8 @@ class World:
         del self.ranks[dp_size:]
         del self.loops[dp_size:]
         self.scaling = {}
-        self.client = replace(self.client, group=dp_size, scaling_to=None)
+        self.group_size = dp_size
+        self.client = replace(self.client, committed=True)
 
 
 def _toy_step(

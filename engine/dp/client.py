@@ -392,9 +392,13 @@ def _request_update(
     finish_reason: str | None,
     logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...],
 ) -> RequestUpdate:
-    sampled = tuple(
-        SampledToken(request_id=request_id, token_id=token, logprob=logprob, top_logprobs=top)
-        for token, logprob, top in logprobs
+    sampled = (
+        tuple(
+            SampledToken(request_id=request_id, token_id=token, logprob=logprob, top_logprobs=top)
+            for token, logprob, top in logprobs
+        )
+        if logprobs
+        else ()
     )
     return RequestUpdate(
         request_id=request_id,

@@ -217,6 +217,7 @@ async def open_dp_processes(
                     to_ranks,
                     outputs.address,
                     store,
+                    host,
                     watcher,
                 )
                 started = True
@@ -254,13 +255,13 @@ async def _startup(
     to_ranks: list[MessageSender],
     output_address: str,
     store: Any,
+    host: str,
     watcher: ProcessWatcher,
 ) -> None:
     expected = describe_config(config)
     hellos: set[int] = set()
     ready: set[int] = set()
     group_prefix = f"wavecore-dp-{uuid.uuid4().hex}"
-    store_host = output_address.removeprefix("tcp://").rpartition(":")[0] or "127.0.0.1"
 
     async def handshake() -> None:
         hello = await coordinator_rep.receive()
@@ -280,7 +281,7 @@ async def _startup(
                     output_address=output_address,
                     coordinator_input_address=hello.input_address,
                     coordinator_publish_address=hello.publish_address,
-                    store_host=store_host,
+                    store_host=host,
                     store_port=0 if store is None else store.port,
                     group_prefix=group_prefix,
                     collective_timeout_s=float(config.startup_timeout),

@@ -5,9 +5,11 @@ prefill chunk's tokens. The two kinds are computed differently, because their co
 differ:
 
 - Decodes are batched into one computation: every sequence's blocks are gathered
-  into a `[sequences, max_blocks * block_size]` key/value tensor (short tables padded
-  with the scratch block), and an additive mask hides the padding and any slot past
-  the sequence's length. One gather, two batched matmuls, one softmax: no loop.
+  into a `[sequences, longest context]` key/value tensor (short tables padded with
+  the scratch block), and a boolean mask hides the padding and any slot past the
+  sequence's length; when all contexts are equally long (always at batch 1) there is
+  no mask. One gather per pool and one fused attention call: no loop, and few ops,
+  since at batch 1 per-op overhead is a large part of a step.
 - Each prefill chunk gathers its own blocks and runs fused scaled-dot-product
   attention with a causal mask offset by its start position (query `i` sits at
   position `start + i` and sees keys `0..start + i`). The loop is over sequences,
@@ -32,7 +34,8 @@ class DecodeAttention:
 
     num_tokens: int
     block_tables: torch.Tensor  # [num_tokens, max_blocks] int64, padded with the scratch block
-    mask: torch.Tensor  # [num_tokens, 1, 1, max_blocks * block_size], 0 or -inf
+    context_len: int  # the longest context of any of these sequences
+    mask: torch.Tensor | None  # [num_tokens, 1, 1, context_len] bool, True: visible
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +66,8 @@ def paged_attention(
 
     The pools must already hold this pass's keys and values.
     """
+    if plan.decode is not None and not plan.prefills:
+        return _decode(queries, key_pool, value_pool, plan.decode, scale)
     out = torch.empty_like(queries)
     if plan.decode is not None:
         decode = plan.decode
@@ -84,14 +89,22 @@ def _decode(
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = queries.shape
     kv_heads = key_pool.shape[2]
-    # [seqs, blocks, block_size, kv, d] -> [seqs, kv, slots, d]
-    keys = key_pool[decode.block_tables].flatten(1, 2).transpose(1, 2)
-    values = value_pool[decode.block_tables].flatten(1, 2).transpose(1, 2)
-    grouped = queries.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
-    scores = torch.matmul(grouped, keys.transpose(2, 3))
-    scores.mul_(scale).add_(decode.mask)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, values).view(num_seqs, num_heads, head_dim)
+    context = decode.context_len
+    # [seqs, blocks, block_size, kv, d] -> [seqs, kv, context, d]
+    # index_select copies whole blocks; advanced indexing (`pool[tables]`) is far slower.
+    flat_tables = decode.block_tables.view(-1)
+    keys = key_pool.index_select(0, flat_tables).view(num_seqs, -1, kv_heads, head_dim)
+    values = value_pool.index_select(0, flat_tables).view(num_seqs, -1, kv_heads, head_dim)
+    keys, values = keys[:, :context], values[:, :context]
+    out = F.scaled_dot_product_attention(
+        queries.unsqueeze(2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=decode.mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.view(num_seqs, num_heads, head_dim)
 
 
 def _prefill(
@@ -103,8 +116,8 @@ def _prefill(
 ) -> torch.Tensor:
     kv_heads, head_dim = key_pool.shape[2], key_pool.shape[3]
     context = prefill.context_len
-    keys = key_pool[prefill.block_ids].view(-1, kv_heads, head_dim)[:context]
-    values = value_pool[prefill.block_ids].view(-1, kv_heads, head_dim)[:context]
+    keys = key_pool.index_select(0, prefill.block_ids).view(-1, kv_heads, head_dim)[:context]
+    values = value_pool.index_select(0, prefill.block_ids).view(-1, kv_heads, head_dim)[:context]
     out = F.scaled_dot_product_attention(
         queries.transpose(0, 1).unsqueeze(0),
         keys.transpose(0, 1).unsqueeze(0),

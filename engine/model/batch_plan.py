@@ -161,13 +161,15 @@ def _decode_plan(
         [*c.block_table[: _blocks_needed(n, block_size)], *([scratch] * max_blocks)][:max_blocks]
         for c, n in zip(decodes, lengths, strict=True)
     ]
-    slots = torch.arange(max_blocks * block_size, device=device)
-    lengths_tensor = torch.tensor(lengths, dtype=torch.int64).to(device)
-    visible = slots[None, :] < lengths_tensor[:, None]
-    mask = torch.zeros(visible.shape, dtype=torch.float32, device=device)
-    mask.masked_fill_(~visible, float("-inf"))
+    context = max(lengths)
+    mask = None
+    if min(lengths) < context:
+        slots = torch.arange(context, device=device)
+        lengths_tensor = torch.tensor(lengths, dtype=torch.int64).to(device)
+        mask = (slots[None, :] < lengths_tensor[:, None])[:, None, None, :]
     return DecodeAttention(
         num_tokens=len(decodes),
         block_tables=torch.tensor(tables, dtype=torch.int64).to(device),
-        mask=mask[:, None, None, :],
+        context_len=context,
+        mask=mask,
     )

@@ -1,5 +1,9 @@
 """Reading Llama-family GGUF files: metadata into a `ModelSource`, tensors into float32.
 
+The header (metadata and tensor table) is parsed once, by `wavecore.engine.gguf_format`,
+when the model is resolved; the `ModelSource` keeps both, so the tokenizer is built from
+the same metadata and the weights are read by mapping the file and slicing each tensor
+at its recorded offset.
 Quantized tensors are dequantized by `gguf.quants`, the reference implementation
 that llama.cpp's converters ship; whatever type it cannot dequantize is reported as
 unsupported. GGUF converters for the `llama` architecture permute the rows of the q
@@ -10,12 +14,16 @@ layout whatever the source. Qwen2 files are written unpermuted.
 
 from __future__ import annotations
 
+import mmap
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 
+from wavecore.engine.gguf_format import GGUFFormatError, GGUFTensorInfo, read_gguf_header
 from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.errors import ModelLoadError
 from wavecore.engine.model.source import ModelSource
@@ -49,16 +57,11 @@ _MODEL_TENSORS = {
 
 
 def read_gguf(path: Path) -> ModelSource:
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as error:  # the parser raises many types for a damaged file
+        header = read_gguf_header(path)
+    except GGUFFormatError as error:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({error})") from error
-    try:
-        metadata = {name: field.contents() for name, field in reader.fields.items()}
-    except Exception as error:
-        raise ModelLoadError(f"{path}: damaged GGUF metadata ({error})") from error
+    metadata = header.metadata
 
     architecture = metadata.get("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
@@ -67,8 +70,8 @@ def read_gguf(path: Path) -> ModelSource:
             f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
         )
     _, qkv_bias = SUPPORTED_ARCHITECTURES[architecture]
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    config = _config_from_metadata(path, architecture, metadata, reader, tensor_names, qkv_bias)
+    tensors = {tensor.name: tensor for tensor in header.tensors}
+    config = _config_from_metadata(path, architecture, metadata, tensors, qkv_bias)
 
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     bos = metadata.get("tokenizer.ggml.bos_token_id")
@@ -82,16 +85,15 @@ def read_gguf(path: Path) -> ModelSource:
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=(int(eos),) if eos is not None else (),
         chat_template=template if isinstance(template, str) else None,
-        reader=reader,
+        gguf_tensors=header.tensors,
     )
 
 
 def _config_from_metadata(
     path: Path,
     arch: str,
-    metadata: dict[str, Any],
-    reader: Any,
-    tensor_names: set[str],
+    metadata: Mapping[str, Any],
+    tensors: Mapping[str, GGUFTensorInfo],
     qkv_bias: bool,
 ) -> ModelConfig:
     def required(key: str) -> Any:
@@ -106,10 +108,10 @@ def _config_from_metadata(
     head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // max(num_heads, 1)))
     vocab = metadata.get(f"{arch}.vocab_size")
     if vocab is None:
-        embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-        if embedding is None:
+        embedding = tensors.get("token_embd.weight")
+        if embedding is None or len(embedding.dims) != 2:
             raise ModelLoadError(f"{path}: missing tensor token_embd.weight")
-        vocab = int(embedding.shape[-1])
+        vocab = embedding.dims[-1]
     scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
     scaling_factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
     if scaling_type == "linear" and scaling_factor != 1.0:
@@ -131,8 +133,8 @@ def _config_from_metadata(
         rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         context_length=int(required("context_length")),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        qkv_bias=qkv_bias and "blk.0.attn_q.bias" in tensor_names,
+        tie_word_embeddings="output.weight" not in tensors,
+        qkv_bias=qkv_bias and "blk.0.attn_q.bias" in tensors,
         rope_scaling=rope_scaling,
         rope_scaling_factor=scaling_factor,
     )
@@ -152,46 +154,67 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def load_gguf_tensors(source: ModelSource) -> dict[str, torch.Tensor]:
-    import gguf
-
-    reader = source.reader if source.reader is not None else gguf.GGUFReader(source.path)
     config = source.config
     permuted, _ = SUPPORTED_ARCHITECTURES[config.architecture]
     tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        name = _canonical_name(tensor.name)
+    with source.path.open("rb") as file:
+        try:
+            mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as error:
+            raise ModelLoadError(f"{source.path}: cannot be mapped ({error})") from error
+    # A plain ndarray over the map, not np.memmap: the dequantizer slices it thousands of
+    # times and memmap's per-view bookkeeping would cost seconds. The map is unmapped when
+    # the last view is dropped; none outlives this call, since every tensor is copied.
+    file_bytes = np.frombuffer(mapped, dtype=np.uint8)
+    for info in source.gguf_tensors:
+        name = _canonical_name(info.name)
         if name is None:
             continue
-        try:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as error:
-            raise ModelLoadError(
-                f"{source.path}: tensor {tensor.name} has unsupported quantization type "
-                f"{tensor.tensor_type.name}"
-            ) from error
-        except Exception as error:
-            raise ModelLoadError(
-                f"{source.path}: tensor {tensor.name} could not be read ({error})"
-            ) from error
-        expected_shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-        if values.size != int(np.prod(expected_shape)):
-            raise ModelLoadError(
-                f"{source.path}: tensor {tensor.name} holds {values.size} values, "
-                f"its header says shape {expected_shape}"
-            )
-        values = values.reshape(expected_shape)
+        values = _dequantized(source.path, file_bytes, info)
         if permuted and name.endswith((".q", ".k")) and values.ndim == 2:
             heads = config.num_heads if name.endswith(".q") else config.num_kv_heads
             if values.shape[0] % (2 * heads):
                 raise ModelLoadError(
-                    f"{source.path}: tensor {tensor.name} has {values.shape[0]} rows, "
+                    f"{source.path}: tensor {info.name} has {values.shape[0]} rows, "
                     f"not divisible into {heads} rotary heads"
                 )
             values = _unpermute_rows(values, heads)
-        if not values.flags.writeable:  # float32 tensors come back as views of the mmap
-            values = values.copy()
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        tensors[name] = torch.from_numpy(np.array(values, dtype=np.float32, order="C"))
     return tensors
+
+
+def _dequantized(path: Path, file_bytes: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
+    """The tensor's values as float32, shaped `[..., dims[0]]` (row-major, GGUF reversed)."""
+    try:
+        kind = gguf.GGMLQuantizationType(info.type_code)
+        block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    except (ValueError, KeyError) as error:
+        raise ModelLoadError(
+            f"{path}: tensor {info.name} has unknown tensor type {info.type_code}"
+        ) from error
+    shape = tuple(reversed(info.dims))
+    row_length = info.dims[0] if info.dims else 1
+    if row_length % block:
+        raise ModelLoadError(
+            f"{path}: tensor {info.name} rows of {row_length} values do not fill "
+            f"{kind.name} blocks of {block}"
+        )
+    rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    row_bytes = row_length // block * block_bytes
+    end = info.offset + rows * row_bytes
+    if end > file_bytes.size:
+        raise ModelLoadError(
+            f"{path}: tensor {info.name} runs past the end of the file "
+            f"(needs bytes up to {end}, the file has {file_bytes.size})"
+        )
+    raw = file_bytes[info.offset : end].reshape(rows, row_bytes)
+    try:
+        values = gguf.quants.dequantize(raw, kind)
+    except NotImplementedError as error:
+        raise ModelLoadError(
+            f"{path}: tensor {info.name} has unsupported quantization type {kind.name}"
+        ) from error
+    return values.reshape(shape)
 
 
 def _canonical_name(gguf_name: str) -> str | None:

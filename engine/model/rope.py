@@ -56,18 +56,17 @@ class RotaryTable:
         if config.rope_scaling == "linear":
             positions = positions / config.rope_scaling_factor
         angles = positions[:, None] * inv_freq[None, :]
-        self.cos = angles.cos().to(device=device, dtype=dtype)
-        self.sin = angles.sin().to(device=device, dtype=dtype)
+        cos, sin = angles.cos(), angles.sin()
+        # Full-width tables: the half-split rotation of x = (a, b) is
+        # x * (cos, cos) + (b, a) * (-sin, sin), three ops per layer instead of eight.
+        self.cos = torch.cat([cos, cos], dim=-1).to(device=device, dtype=dtype)
+        self.signed_sin = torch.cat([-sin, sin], dim=-1).to(device=device, dtype=dtype)
         self.half = config.head_dim // 2
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin `[tokens, 1, head_dim / 2]` for `positions`; shared by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and signed sin `[tokens, 1, head_dim]` for `positions`; shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """Rotate `x` `[tokens, heads, head_dim]` by `lookup`'s angles; returns a new tensor."""
-        first, second = x[..., : self.half], x[..., self.half :]
-        rotated = torch.empty_like(x)
-        torch.sub(first * cos, second * sin, out=rotated[..., : self.half])
-        torch.add(second * cos, first * sin, out=rotated[..., self.half :])
-        return rotated
+        return torch.addcmul(x * cos, x.roll(self.half, dims=-1), signed_sin)

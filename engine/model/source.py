@@ -2,9 +2,9 @@
 
 Resolving a model spec reads only metadata: the architecture, the tokenizer facts the
 engine needs (EOS and BOS ids, chat template, context length), and for GGUF files the
-whole key/value table, which the tokenizer is built from. Tensor data is read later,
-by `load_tensors()`, so the tokenizer can be built from the same open file without
-touching the weights.
+whole key/value table and the tensor table, each parsed once. The tokenizer is built
+from this metadata (`Tokenizer.from_source`); tensor data is read later, by
+`load_tensors()`, from the recorded offsets, without parsing the header again.
 
 Tensors come back under canonical names, independent of the file format, each laid
 out `[out_features, in_features]` like both GGUF and Hugging Face store them:
@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 
+from wavecore.engine.gguf_format import GGUFTensorInfo
 from wavecore.engine.model.config import ModelConfig
 
 SourceFormat = Literal["gguf", "safetensors"]
@@ -43,8 +44,8 @@ class ModelSource:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     chat_template: str | None
-    # The open GGUF reader (memory-mapped), kept so tensors are not parsed twice.
-    reader: Any = field(default=None, repr=False, compare=False)
+    # Where each tensor of a GGUF file lies, so the header is parsed only once.
+    gguf_tensors: tuple[GGUFTensorInfo, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def eos_token_id(self) -> int | None:

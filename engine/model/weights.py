@@ -107,14 +107,19 @@ class ModelWeights:
             layers.append(
                 LayerWeights(
                     attn_norm=place(take(p + "attn_norm", (hidden,))),
-                    qkv=place(torch.cat([q, k, v]).t()),
+                    # Concatenating transposed views writes `[in, out]` in one copy.
+                    qkv=place(torch.cat([q.t(), k.t(), v.t()], dim=1)),
                     qkv_bias=bias,
                     o=place(take(p + "o", (hidden, config.q_size)).t()),
                     ffn_norm=place(take(p + "ffn_norm", (hidden,))),
                     gate_up=place(
                         torch.cat(
-                            [take(p + "gate", (inter, hidden)), take(p + "up", (inter, hidden))]
-                        ).t()
+                            [
+                                take(p + "gate", (inter, hidden)).t(),
+                                take(p + "up", (inter, hidden)).t(),
+                            ],
+                            dim=1,
+                        )
                     ),
                     down=place(take(p + "down", (hidden, inter)).t()),
                 )

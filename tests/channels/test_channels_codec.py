@@ -389,3 +389,18 @@ def test_a_bad_field_rejects_only_its_message_in_a_batch() -> None:
     decoded = codec.decode_frame(codec.batch_frame([good, bad, good]))
     assert decoded[0] == decoded[2] == codec.decode(good)
     assert isinstance(decoded[1], DecodeError) and "float32" in decoded[1].reason
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.array(3.5, dtype=np.float32),  # 0-d
+        np.arange(12).reshape(3, 4)[:, ::2],  # not contiguous
+        np.zeros((0, 3)),
+        np.arange(4, dtype=">i4"),  # big-endian: sent little-endian
+    ],
+)
+def test_array_shapes_and_layouts_round_trip(array: np.ndarray) -> None:
+    decoded = codec.decode(codec.encode(Arrays(array=array, tensor=torch.tensor(2.0))))
+    assert decoded.array.shape == array.shape and decoded.tensor.shape == ()
+    np.testing.assert_array_equal(decoded.array, array)

@@ -20,7 +20,7 @@ pytestmark = [
 ]
 
 
-async def test_two_ranks_of_the_real_model_agree() -> None:
+async def test_the_real_model_generates_at_dp_size_2_in_lockstep() -> None:
     # sync_interval=1 ends the wave right after the work, so the idle rank's dummy
     # forwards (real forwards of the model here) stop at once.
     config = EngineConfig(

@@ -9,6 +9,7 @@ from wavecore.engine.async_engine import open_engine
 from wavecore.engine.errors import (
     DuplicateRequestError,
     EmptyPromptError,
+    EngineAsleepError,
     EngineClosedError,
     InvalidRequestError,
     PauseInProgressError,
@@ -202,6 +203,17 @@ async def test_a_request_during_sleep_waits_visibly_and_runs_after_wake_up() -> 
             assert (await engine.stats()).asleep == ("scheduling",)
             await engine.wake_up(["scheduling"])
     assert [t for d in results[0] for t in d.token_ids] == expected_tokens("sleepy", 4)
+
+
+async def test_resume_while_asleep_is_refused_and_the_engine_keeps_serving() -> None:
+    with anyio.fail_after(HANG_GUARD):
+        async with open_engine(executor="null") as engine:
+            await engine.sleep(2)
+            with pytest.raises(EngineAsleepError, match="wake_up first"):
+                await engine.resume()
+            await engine.wake_up()
+            deltas = await collect(engine, "awake", SamplingParams(max_tokens=3))
+    assert [t for d in deltas for t in d.token_ids] == expected_tokens("awake", 3)
 
 
 async def test_bad_utility_arguments_are_refused() -> None:

@@ -61,7 +61,32 @@ def test_default_model_metadata(smollm_executor: ModelExecutor) -> None:
     assert "<|im_start|>" in source.chat_template
 
 
-def test_prefill_logits_match_transformers(smollm_executor, hf_reference, prompts) -> None:
+@pytest.fixture(scope="module")
+def continuations(smollm_executor: ModelExecutor, prompts) -> list[list[int]]:
+    """Our greedy continuations of every prompt, decoded together, cut after EOS."""
+    runner = GreedyRunner(smollm_executor)
+    requests = [runner.add(p, NEW_TOKENS) for p in prompts]
+    runner.run(requests)
+    eos = smollm_executor.source.eos_token_id
+    return [until_eos(request.output, eos) for request in requests]
+
+
+@pytest.fixture(scope="module")
+def reference_logits(hf_reference, prompts, continuations) -> list[torch.Tensor]:
+    """transformers' logits from the last prompt position on, teacher-forced on our output.
+
+    One forward per prompt serves both checks: row 0 is the last-position prefill
+    logits (causal attention: later tokens do not change it), and the argmax of row
+    `i` is transformers' greedy choice after our first `i` generated tokens.
+    """
+    with torch.inference_mode():
+        return [
+            hf_reference(torch.tensor([prompt + ours[:-1]])).logits[0, len(prompt) - 1 :]
+            for prompt, ours in zip(prompts, continuations, strict=True)
+        ]
+
+
+def test_prefill_logits_match_transformers(smollm_executor, prompts, reference_logits) -> None:
     runner = GreedyRunner(smollm_executor)
     requests = [runner.add(p, 1) for p in prompts]
     batch = ModelBatch(
@@ -80,34 +105,23 @@ def test_prefill_logits_match_transformers(smollm_executor, hf_reference, prompt
         )
     )
     ours = smollm_executor.compute_logits(batch)
-    with torch.inference_mode():
-        for row, prompt in enumerate(prompts):
-            reference = hf_reference(torch.tensor([prompt])).logits[0, -1]
-            difference = (ours[row] - reference).abs().max().item()
-            assert difference < 1e-3, (row, difference)
+    assert ours.shape == (len(prompts), smollm_executor.config.vocab_size)
+    for row, reference in enumerate(reference_logits):
+        difference = (ours[row] - reference[0]).abs().max().item()
+        assert difference < 1e-3, (row, difference)
 
 
-def test_greedy_continuations_match_transformers(smollm_executor, hf_reference, prompts) -> None:
-    runner = GreedyRunner(smollm_executor)
-    requests = [runner.add(p, NEW_TOKENS) for p in prompts]
-    runner.run(requests)
-
-    # Greedy agreement, checked teacher-forced: one transformers forward over prompt plus
-    # our continuation; the continuations are identical exactly when transformers' argmax
-    # at every generated position is the token we produced there (by induction on steps).
-    eos = smollm_executor.source.eos_token_id
+def test_greedy_continuations_match_transformers(continuations, reference_logits) -> None:
+    # The continuations are identical exactly when transformers' argmax at every generated
+    # position is the token we produced there (by induction on steps).
     identical = 0
     mismatches = []
-    with torch.inference_mode():
-        for request in requests:
-            ours = until_eos(request.output, eos)
-            sequence = torch.tensor([request.prompt + ours[:-1]])
-            logits = hf_reference(sequence).logits[0, len(request.prompt) - 1 :]
-            reference = logits.argmax(-1).tolist()
-            if reference == ours:
-                identical += 1
-            else:
-                mismatches.append((ours, reference))
+    for ours, logits in zip(continuations, reference_logits, strict=True):
+        reference = logits.argmax(-1).tolist()
+        if reference == ours:
+            identical += 1
+        else:
+            mismatches.append((ours, reference))
     assert identical >= 7, mismatches
 
 

@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from wavecore.statemachines import PauseMode, PauseState
 from wavecore.statemachines.sim import Simulation
 
-SLEEP_AND_SCALE = False
+SLEEP_AND_SCALE = True
 
 
 class DeploymentRules(RuleBasedStateMachine):

@@ -1,15 +1,19 @@
-"""Reading the key/value metadata at the head of a GGUF file, and nothing else.
+"""Reading the header of a GGUF file: its key/value metadata and its tensor table.
 
 A GGUF file starts with a little-endian header (magic `GGUF`, version, tensor count,
-key/value count), then the key/value pairs, then the tensor descriptions and data.
-Each pair is a length-prefixed UTF-8 key, a uint32 type code and a value; arrays carry
-an element type and a count. The tokenizer lives entirely in these pairs, so this
-reader parses only them and stops where the tensor descriptions begin.
+key/value count), then the key/value pairs, then one description per tensor (name,
+dimensions, type code, offset), then the tensor data, aligned to `general.alignment`
+(32 bytes by default). Each pair is a length-prefixed UTF-8 key, a uint32 type code
+and a value; arrays carry an element type and a count.
 
-`gguf.GGUFReader` would give the same values, but it also builds a numpy view for
-every string of every array and every tensor, which takes seconds for a 49k-token
-vocabulary; this reader takes a fraction of that. `keys` restricts which values are
-decoded (others are skipped by length), so a caller wanting one scalar pays little.
+This is the engine's one GGUF parser: the tokenizer needs only the metadata
+(`read_gguf_metadata`), the model runtime needs the metadata and where each tensor's
+bytes lie (`read_gguf_header`). `gguf.GGUFReader` would give the same facts, but it
+builds a numpy view for every string of every array and every tensor, which takes
+seconds for a 49k-token vocabulary; this reader takes a fraction of that. `keys`
+restricts which values are decoded (others are skipped by length), so a caller
+wanting one scalar pays little. Tensor bytes are not read here: the caller maps the
+file and slices each tensor at `GGUFTensorInfo.offset`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import mmap
 import struct
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,12 +42,30 @@ _SCALARS: dict[int, str] = {
     11: "<q",
     12: "<d",
 }
+DEFAULT_ALIGNMENT = 32
 
 MetadataValue = int | float | bool | str | list[int] | list[float] | list[bool] | list[str]
 
 
 class GGUFFormatError(ValueError):
     """The file is not a GGUF file this reader understands."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GGUFTensorInfo:
+    """One tensor's description. `dims` is in GGUF order: the fastest-varying first."""
+
+    name: str
+    dims: tuple[int, ...]
+    type_code: int  # a `gguf.GGMLQuantizationType` value
+    offset: int  # absolute byte offset of the tensor's data in the file
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GGUFHeader:
+    metadata: dict[str, MetadataValue]
+    tensors: tuple[GGUFTensorInfo, ...]
+    file_size: int
 
 
 class _Cursor:
@@ -54,7 +77,7 @@ class _Cursor:
     def unpack(self, fmt: str) -> int | float | bool:
         size = struct.calcsize(fmt)
         if self.offset + size > len(self.data):
-            raise GGUFFormatError(f"{self.path}: metadata runs past the end of the file")
+            raise GGUFFormatError(f"{self.path}: header runs past the end of the file")
         (value,) = struct.unpack_from(fmt, self.data, self.offset)
         self.offset += size
         return value
@@ -104,12 +127,20 @@ class _Cursor:
         self.offset += size
         return values
 
+    def tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
+        name = self.string()
+        rank = int(self.unpack("<I"))
+        if rank > 8:
+            raise GGUFFormatError(f"{self.path}: tensor {name!r} claims {rank} dimensions")
+        dims = tuple(int(self.unpack("<Q")) for _ in range(rank))
+        type_code = int(self.unpack("<I"))
+        offset = int(self.unpack("<Q"))
+        return name, dims, type_code, offset
 
-def read_gguf_metadata(
-    path: str | Path, keys: Collection[str] | None = None
-) -> dict[str, MetadataValue]:
-    """The metadata of the GGUF file at `path`: all of it, or only `keys` (those present)."""
-    path = Path(path)
+
+def _parse(
+    path: Path, keys: Collection[str] | None, *, with_tensors: bool
+) -> tuple[dict[str, MetadataValue], tuple[GGUFTensorInfo, ...], int]:
     with path.open("rb") as file:
         try:
             data = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
@@ -123,14 +154,46 @@ def read_gguf_metadata(
         version = int(cursor.unpack("<I"))
         if version not in (2, 3):
             raise GGUFFormatError(f"{path}: GGUF version {version} is not supported (2 or 3)")
-        cursor.unpack("<Q")  # tensor count: the tensors are not read here
+        tensor_count = int(cursor.unpack("<Q"))
         pair_count = int(cursor.unpack("<Q"))
         metadata: dict[str, MetadataValue] = {}
+        alignment = DEFAULT_ALIGNMENT
         for _ in range(pair_count):
             key = cursor.string()
             value_type = int(cursor.unpack("<I"))
+            # The alignment is needed to place tensors even when the caller did not ask for it.
             wanted = keys is None or key in keys
-            value = cursor.value(value_type, decode=wanted)
+            value = cursor.value(value_type, decode=wanted or key == "general.alignment")
+            if key == "general.alignment":
+                alignment = _checked_alignment(path, value)
             if wanted:
                 metadata[key] = value  # type: ignore[assignment]
-        return metadata
+        if not with_tensors:
+            return metadata, (), len(data)
+        raw = [cursor.tensor_info() for _ in range(tensor_count)]
+        data_start = -(-cursor.offset // alignment) * alignment
+        tensors = tuple(
+            GGUFTensorInfo(name=name, dims=dims, type_code=code, offset=data_start + offset)
+            for name, dims, code, offset in raw
+        )
+        return metadata, tensors, len(data)
+
+
+def _checked_alignment(path: Path, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value & (value - 1):
+        raise GGUFFormatError(f"{path}: general.alignment {value!r} is not a power of two")
+    return value
+
+
+def read_gguf_metadata(
+    path: str | Path, keys: Collection[str] | None = None
+) -> dict[str, MetadataValue]:
+    """The metadata of the GGUF file at `path`: all of it, or only `keys` (those present)."""
+    metadata, _, _ = _parse(Path(path), keys, with_tensors=False)
+    return metadata
+
+
+def read_gguf_header(path: str | Path) -> GGUFHeader:
+    """All metadata of the GGUF file at `path` and the description of every tensor."""
+    metadata, tensors, size = _parse(Path(path), None, with_tensors=True)
+    return GGUFHeader(metadata=metadata, tensors=tensors, file_size=size)
