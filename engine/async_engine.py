@@ -42,7 +42,6 @@ from wavecore.engine.errors import (
 )
 from wavecore.engine.input_processor import Prompt
 from wavecore.engine.model_thread import ModelThread
-from wavecore.engine.output_processor import OutputProcessor
 from wavecore.engine.outputs import CompletionDelta
 from wavecore.engine.request_stream import RequestStream
 from wavecore.engine.sampling_params import SamplingParams
@@ -58,7 +57,6 @@ class AsyncEngine:
     def __init__(self, core: EngineCore, model_thread: ModelThread) -> None:
         self._core = core
         self._model_thread = model_thread
-        self._outputs = OutputProcessor(core.tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._commands: deque[Callable[[], Awaitable[None] | None]] = deque()
         self._wake = anyio.Event()
@@ -88,9 +86,8 @@ class AsyncEngine:
         if request_id in self._streams:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         request = self._core.inputs.prepare(request_id, prompt, params)
-        stream = RequestStream(request_id)
+        stream = RequestStream(request, self._core.tokenizer)
         self._streams[request_id] = stream
-        self._outputs.add(request)
         finished = False
         try:
             # Through the loop, so a refusal (or a dead engine) reaches this caller.
@@ -203,19 +200,15 @@ class AsyncEngine:
             stream = self._streams.get(update.request_id)
             if stream is None:
                 continue
-            delta, stop_hit = self._outputs.process(update)
-            if stop_hit:
+            if stream.process(update):
                 self._core.finish_stopped(update.request_id)
-            if delta is not None:
-                stream.put(delta)
-            if delta is not None and delta.finished:
+            if stream.finished:
                 del self._streams[update.request_id]
         self._check_pause()
 
     def _forget(self, request_id: str) -> None:
         """The consumer left early: abort the request and drop its stream."""
         self._streams.pop(request_id, None)
-        self._outputs.discard(request_id)
         if self._dead is None and not self._closed:
             self._command(lambda: self._core.abort_requests([request_id]))
 

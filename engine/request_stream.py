@@ -1,52 +1,103 @@
-"""One request's outputs on their way from the engine loop to the task consuming them.
+"""One request's output on its way from the engine to the task that consumes it.
 
-The loop must never wait for a slow consumer, and memory must not grow with the
-number of steps a consumer falls behind. So a stream holds at most one pending delta:
-a new delta that arrives before the consumer took the previous one is merged into it
-(texts and token ids concatenated, the latest usage and finish reason kept).
+A `RequestStream` turns the token ids each step produced into text (incremental
+detokenization, stop strings) and holds the result until the consumer takes it.
+
+The engine must never wait for a slow consumer, and memory must not grow with the
+number of steps a consumer falls behind, so output the consumer has not taken yet is
+accumulated, not queued: the consumer's next `get()` receives everything since its
+previous one as a single `CompletionDelta`. Nothing is built per step but the text.
+
+A stop string ends the request here, next to the caller: `process` then says so, and
+the caller finishes the request in the scheduler that still holds it.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import anyio
 
-from wavecore.engine.outputs import CompletionDelta
-
-
-def merge_deltas(older: CompletionDelta, newer: CompletionDelta) -> CompletionDelta:
-    return replace(
-        newer,
-        text=older.text + newer.text,
-        token_ids=older.token_ids + newer.token_ids,
-        logprobs=older.logprobs + newer.logprobs,
-    )
+from wavecore.engine.input_processor import EngineRequest
+from wavecore.engine.outputs import CompletionDelta, TokenLogprob, Usage
+from wavecore.engine.sampling.detokenizer import Decoder, IncrementalDetokenizer
+from wavecore.engine.sampling.stop_strings import StopChecker
+from wavecore.engine.scheduler import RequestUpdate
 
 
 class RequestStream:
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self._pending: CompletionDelta | None = None
+    def __init__(self, request: EngineRequest, tokenizer: Decoder) -> None:
+        self.request_id = request.request_id
+        self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+        self._stops = StopChecker(request.params.stop)
+        self._prompt_tokens = len(request.prompt_token_ids)
+        self._want_logprobs = request.params.logprobs is not None
+        self._output_tokens = 0
+        self.finished = False
+        # Output not yet taken by the consumer.
+        self._text: list[str] = []
+        self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+        self._finish_reason: str | None = None
+        self._has_output = False
         self._error: BaseException | None = None
         self._ready = anyio.Event()
 
-    def put(self, delta: CompletionDelta) -> None:
-        self._pending = delta if self._pending is None else merge_deltas(self._pending, delta)
+    def process(self, update: RequestUpdate) -> bool:
+        """Take one step's output. True when a stop string ended the request while the
+        scheduler still runs it (the caller must finish it there)."""
+        if self.finished:
+            return False
+        finish = None if update.finish_reason is None else str(update.finish_reason)
+        text = self._detokenizer.add(update.new_token_ids)
+        if finish is not None:
+            text += self._detokenizer.flush()
+        scan = self._stops.feed(text)
+        text = scan.text
+        if scan.stopped:
+            stop_hit, finish = finish is None, "stop"
+        else:
+            stop_hit = False
+            if finish is not None:
+                text += self._stops.flush()
+        self._output_tokens += len(update.new_token_ids)
+        if not text and not update.new_token_ids and finish is None:
+            return stop_hit
+        if text:
+            self._text.append(text)
+        self._token_ids += update.new_token_ids
+        if self._want_logprobs:
+            self._logprobs += [
+                TokenLogprob(token_id=s.token_id, logprob=s.logprob, top=s.top_logprobs)
+                for s in update.sampled
+                if s.logprob is not None
+            ]
+        if finish is not None:
+            self._finish_reason = finish
+            self.finished = True
+        self._has_output = True
         self._ready.set()
+        return stop_hit
 
     def fail(self, error: BaseException) -> None:
         """End the stream with `error`, raised to the consumer after any pending output."""
         self._error = error
+        self.finished = True
         self._ready.set()
 
     async def get(self) -> CompletionDelta:
         await self._ready.wait()
-        if self._pending is not None:
-            delta, self._pending = self._pending, None
+        if not self._has_output:
+            # The event is only set with output pending or an error.
+            raise self._error  # type: ignore[misc]
+        delta = CompletionDelta(
+            request_id=self.request_id,
+            text="".join(self._text),
+            token_ids=tuple(self._token_ids),
+            finish_reason=self._finish_reason,
+            usage=Usage(prompt_tokens=self._prompt_tokens, output_tokens=self._output_tokens),
+            logprobs=tuple(self._logprobs),
+        )
+        self._text, self._token_ids, self._logprobs = [], [], []
+        self._has_output = False
+        if self._error is None:
             self._ready = anyio.Event()
-            if self._error is not None:
-                self._ready.set()
-            return delta
-        assert self._error is not None  # the event is only set with a delta or an error
-        raise self._error
+        return delta

@@ -36,7 +36,10 @@ class ExploreConfig:
             raise ValueError(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
         variant = VARIANTS[name]
         world = replace(
-            self.world, rank_class=variant.rank_class, coordinator_class=variant.coordinator_class
+            self.world,
+            rank_class=variant.rank_class,
+            coordinator_class=variant.coordinator_class,
+            scaling_class=variant.scaling_class,
         )
         return replace(self, world=world)
 
@@ -59,6 +62,25 @@ def default_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
         configs.append(
             ("request-and-pause", ExploreConfig(world=world, requests=(last,), script=pause_resume))
         )
+    return (*configs, *scale_configs(dp_size))
+
+
+def scale_script(dp_size: int) -> tuple[ClientOp, ...]:
+    """The client's whole reconfiguration: prepare (and pause), commit, resume."""
+    return (("scale_prepare", dp_size), ("scale_commit",), ("resume",))
+
+
+def scale_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
+    """A scale up by one rank and, from two ranks on, a scale down by one. Without a
+    request these are explored to the end (every interleaving, in a few hundred
+    states); with one, the product needs a depth bound (see the tests)."""
+    world = WorldConfig(dp_size=dp_size)
+    configs = [
+        (f"scale-up-{dp_size + 1}", ExploreConfig(world=world, script=scale_script(dp_size + 1)))
+    ]
+    if dp_size >= 2:
+        down = ExploreConfig(world=world, script=scale_script(dp_size - 1))
+        configs.append((f"scale-down-{dp_size - 1}", down))
     return tuple(configs)
 
 

@@ -433,9 +433,18 @@ class RankMachine(TableMachine[RankSnapshot]):
         finished its last request (it would otherwise go idle with the pause pending,
         and never answer it)."""
         return state.pause_state is PauseState.PENDING and (
-            state.pause_mode is not PauseMode.WAIT
-            or not event.executed
-            or not event.has_unfinished
+            state.pause_mode is not PauseMode.WAIT or not event.executed or not event.has_unfinished
+        )
+
+    def switched(self, state: RankSnapshot, event: Reconfigured) -> RankSnapshot:
+        """Rule 11: the group's max of wave and step counter, so every rank of the new
+        group meets the next all-reduce in lockstep."""
+        return replace(
+            state,
+            rank=event.rank,
+            dp_size=event.dp_size,
+            wave=event.wave,
+            step_counter=event.step_counter,
         )
 
     def pause_while_paused(self, state: RankSnapshot, event: PauseRequested) -> Result:
@@ -613,11 +622,4 @@ class RankMachine(TableMachine[RankSnapshot]):
             raise self.refuse(state, event, "only a paused rank can switch groups")
         if event.running or event.wave < state.wave or event.step_counter < state.step_counter:
             raise self.refuse(state, event, "not the group's max of (running, wave, step)")
-        switched = replace(
-            state,
-            rank=event.rank,
-            dp_size=event.dp_size,
-            wave=event.wave,
-            step_counter=event.step_counter,
-        )
-        return switched, ()
+        return self.switched(state, event), ()

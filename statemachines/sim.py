@@ -57,7 +57,10 @@ class Simulation:
                 raise ValueError(f"unknown variant {variant!r}; known: {sorted(VARIANTS)}")
             chosen = VARIANTS[variant]
             config = replace(
-                config, rank_class=chosen.rank_class, coordinator_class=chosen.coordinator_class
+                config,
+                rank_class=chosen.rank_class,
+                coordinator_class=chosen.coordinator_class,
+                scaling_class=chosen.scaling_class,
             )
         self.world = World.start(config)
         self.world.trace = []

@@ -22,9 +22,11 @@ from .rank import (
     RequestArrived,
     ResumeBarrier,
     StartWave,
+    Reconfigured,
     StepDone,
     SyncDP,
 )
+from .scaling import ScalingMachine
 
 
 class AcceptsStaleCompletion(CoordinatorMachine):
@@ -151,6 +153,14 @@ class IdlesWithWaitPausePending(RankMachine):
         )
 
 
+class KeepsOwnCountersOnSwitch(RankMachine):
+    """Scaling: a rank switching groups keeps its own wave and step counter instead of
+    the group's max, so a joining rank starts waves behind its peers."""
+
+    def switched(self, state: RankSnapshot, event: Reconfigured) -> RankSnapshot:
+        return replace(state, rank=event.rank, dp_size=event.dp_size)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Variant:
     """One broken rule; ``failure_mode`` numbers it in protocol.md (None: a rule of
@@ -159,6 +169,7 @@ class Variant:
     failure_mode: int | None
     rank_class: type[RankMachine] = RankMachine
     coordinator_class: type[CoordinatorMachine] = CoordinatorMachine
+    scaling_class: type[ScalingMachine] = ScalingMachine
 
 
 VARIANTS: dict[str, Variant] = {
@@ -180,4 +191,5 @@ VARIANTS: dict[str, Variant] = {
     "independent_wait_pause_idles": Variant(
         failure_mode=None, rank_class=IdlesWithWaitPausePending
     ),
+    "switch_keeps_own_wave": Variant(failure_mode=None, rank_class=KeepsOwnCountersOnSwitch),
 }

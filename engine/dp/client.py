@@ -11,7 +11,7 @@ Theory of operation:
    (`LoadBalancer`, or the caller's `dp_rank`), sends `AddRequest` stamped with the
    client's view of the wave, and, in lockstep mode while that view says the engines
    are idle, `FirstRequest` to the coordinator. Token ids come back one frame per
-   rank step and are detokenized here (`OutputProcessor`).
+   rank step and are detokenized here (each request's `RequestStream`).
 3. Utility calls (pause, resume, sleep, wake_up, reset_prefix_cache, stats) go to every
    rank and complete when every rank replied; a rank defers its pause reply until the
    pause really holds.
@@ -49,7 +49,6 @@ from wavecore.engine.errors import (
     UnknownRequestError,
 )
 from wavecore.engine.input_processor import InputProcessor, Prompt, PromptTokenizer
-from wavecore.engine.output_processor import OutputProcessor
 from wavecore.engine.outputs import CompletionDelta
 from wavecore.engine.request_stream import RequestStream
 from wavecore.engine.sampling_params import SamplingParams
@@ -92,7 +91,7 @@ class DPClient:
         self.wiring = wiring
         self._lockstep = config.dp_mode == "lockstep"
         self._inputs = InputProcessor(tokenizer, max_model_len=wiring.max_model_len)
-        self._outputs = OutputProcessor(tokenizer)  # type: ignore[arg-type]
+        self._tokenizer = tokenizer
         self._balancer = LoadBalancer(config.dp_size)
         self._streams: dict[str, RequestStream] = {}
         self._owner: dict[str, int] = {}
@@ -139,11 +138,10 @@ class DPClient:
         else:
             rank = dp_rank
             self._balancer.assigned(rank)
-        stream = RequestStream(request_id)
+        stream = RequestStream(request, self._tokenizer)  # type: ignore[arg-type]
         self._streams[request_id] = stream
         self._owner[request_id] = rank
         self.requests_per_rank[rank] += 1
-        self._outputs.add(request)
         wave = self._wave
         await self.wiring.to_ranks[rank].send(
             m.AddRequest(
@@ -309,13 +307,10 @@ class DPClient:
             update = _request_update(
                 request_id, new_tokens, finished.get(request_id), logprobs.get(request_id, ())
             )
-            delta, stop_hit = self._outputs.process(update)
-            if stop_hit:
+            if stream.process(update):
                 self._post(rank, m.StopRequests(request_ids=(request_id,)))
-            if delta is not None:
-                stream.put(delta)
-                if delta.finished:
-                    self._finished(request_id)
+            if stream.finished:
+                self._finished(request_id)
 
     def _on_utility_result(self, message: m.UtilityResult) -> None:
         call = self._calls.get(message.call_id)
@@ -353,7 +348,6 @@ class DPClient:
         """The consumer left early: abort the request on its rank."""
         self._streams.pop(request_id, None)
         self._held.pop(request_id, None)
-        self._outputs.discard(request_id)
         rank = self._owner.pop(request_id, None)
         if rank is not None:
             self._balancer.finished(rank)

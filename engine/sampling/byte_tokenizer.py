@@ -35,6 +35,11 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        try:
+            # The common case, all bytes: one C call (bytes() refuses ids past 255).
+            return bytes(ids).decode("utf-8", errors="replace")
+        except ValueError:
+            pass
         pieces: list[str] = []
         pending = bytearray()
         for token in ids:

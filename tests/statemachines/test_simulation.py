@@ -9,8 +9,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from wavecore.statemachines import PauseMode, PauseState
 from wavecore.statemachines.sim import Simulation
 
-SLEEP_AND_SCALE = True
-
 
 class DeploymentRules(RuleBasedStateMachine):
     def __init__(self) -> None:
@@ -24,8 +22,9 @@ class DeploymentRules(RuleBasedStateMachine):
 
     @rule(steps=st.integers(1, 4), stalls=st.integers(0, 1))
     def submit(self, steps: int, stalls: int) -> None:
-        if self.sim.world.client.scaling_to is None:
-            self.sim.submit(steps=steps, stalls=stalls)
+        # Any time, a reconfiguration included: the client balances over the ranks
+        # that stay and the coordinator knows.
+        self.sim.submit(steps=steps, stalls=stalls)
 
     @rule(moves=st.integers(1, 25))
     def deliver_and_step(self, moves: int) -> None:
@@ -44,7 +43,6 @@ class DeploymentRules(RuleBasedStateMachine):
             self.sim.resume()
 
     @rule(level=st.sampled_from([0, 1]))
-    @precondition(lambda self: SLEEP_AND_SCALE)
     def sleep_then_wake(self, level: int) -> None:
         if self.sim.world.refusal(("sleep", level)) is None and not self.sim.reconfiguring:
             self.sim.sleep(level)
@@ -52,7 +50,6 @@ class DeploymentRules(RuleBasedStateMachine):
             self.sim.wake()
 
     @rule(dp_size=st.sampled_from([1, 2, 3]))
-    @precondition(lambda self: SLEEP_AND_SCALE)
     def scale(self, dp_size: int) -> None:
         world = self.sim.world
         allowed = world.refusal(("scale_prepare", dp_size)) is None

@@ -1,0 +1,151 @@
+"""Regressions for bugs the randomized simulation found on the sleep and scale paths,
+and for rank rules fixed late. Each bug gets the smallest deterministic scenario that
+failed before its fix; rules of a machine are also run against the broken variant that
+restores the old behaviour, which must be caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from wavecore.statemachines import (
+    CoordinatorMachine,
+    PauseMode,
+    ProtocolError,
+    RankStartedWave,
+    Resize,
+    WaveCompleted,
+)
+from wavecore.statemachines.explore import ExploreConfig, explore, scale_configs, scale_script
+from wavecore.statemachines.world import CLIENT, RequestSpec, World, WorldConfig
+
+
+def _settle(world: World) -> None:
+    """Perform the first enabled network move until none is left."""
+    while moves := world.network_moves():
+        world.apply(moves[0])
+
+
+def _assert_guarded(config: ExploreConfig, variant: str, rules: set[str], depth: int) -> None:
+    real = explore(config, depth)
+    assert real.violation is None, real.violation.report() if real.violation else ""
+    broken = explore(config.broken(variant), depth)
+    assert broken.violation is not None, f"{variant} was not caught"
+    assert broken.violation.rule in rules, broken.violation.report()
+
+
+# -- sleep -------------------------------------------------------------------------------
+
+
+def test_a_wake_reply_does_not_answer_the_next_sleep() -> None:
+    # The client used to count any reply as the answer to its pending call: the two
+    # wake replies "answered" the sleep sent right after, so it believed the engines
+    # paused while their pause was still pending (forwards after the reply, a resume
+    # reaching a pausing rank, a commit of ranks still holding requests).
+    world = World.start(WorldConfig(dp_size=2))
+    world.client_op(("sleep", 1))
+    _settle(world)
+    assert world.client.paused and not world.client.awaiting
+    world.client_op(("wake",))
+    world.client_op(("sleep", 0))
+    for rank in (0, 1):
+        world.apply(("deliver", CLIENT, rank))  # the wake; the sleep is still queued
+    assert not world.client.paused
+    assert world.client.awaiting == {0, 1}
+    _settle(world)
+    assert world.client.paused and not world.client.awaiting
+    assert all(rank.asleep == {"scheduling"} for rank in world.ranks)
+
+
+# -- scaling -----------------------------------------------------------------------------
+
+
+def test_a_joining_rank_holds_requests_until_the_resume() -> None:
+    world = World.start(WorldConfig(dp_size=2))
+    world.client_op(("scale_prepare", 3))
+    # The joining rank's machine starts paused; its scheduler must be paused too.
+    assert world.loops[2].scheduler_pause is PauseMode.KEEP
+    _settle(world)
+    world.client_op(("scale_commit",))
+    # Until the coordinator confirms the new group the client neither resumes nor
+    # uses the new rank: a new rank's messages would reach a coordinator without it.
+    assert world.refusal(("resume",)) is not None
+    world.submit(RequestSpec(rank=2))
+    assert (CLIENT, 0) in world.channels and (CLIENT, 2) not in world.channels
+    _settle(world)
+    assert world.client.group == 3 and world.refusal(("resume",)) is None
+    world.submit(RequestSpec(rank=2, steps=2))
+    _settle(world)
+    assert world.client.held == {0, 1} and not world.client.done
+    world.client_op(("resume",))
+    _settle(world)
+    world.check_quiescent()
+    assert world.client.done == {0, 1}
+
+
+def test_coordinator_ignores_late_news_from_a_departed_rank() -> None:
+    coordinator = CoordinatorMachine(3)
+    coordinator.handle(WaveCompleted(wave=0))
+    coordinator.handle(Resize(dp_size=2))
+    # Rank 2 announced a wave before the scale's pause; the news arrives after it left.
+    assert coordinator.handle(RankStartedWave(rank=2, wave=1)) == ()
+    assert not coordinator.engines_running
+    with pytest.raises(ProtocolError, match="rank 3 outside dp_size 2"):
+        coordinator.handle(RankStartedWave(rank=3, wave=1))
+    coordinator.handle(Resize(dp_size=3))
+    assert coordinator.handle(RankStartedWave(rank=2, wave=1)) != ()
+
+
+@pytest.mark.parametrize("dp_size", [2, 3])
+def test_every_interleaving_of_a_scale_holds(dp_size: int) -> None:
+    for name, config in scale_configs(dp_size):
+        result = explore(config, 40)
+        assert result.violation is None, result.violation.report() if result.violation else ""
+        assert result.depth < 40, f"{name} was not explored to the end"
+
+
+def test_a_switch_that_keeps_its_own_wave_is_caught() -> None:
+    (_, scale_up), *_ = scale_configs(2)
+    broken = explore(scale_up.broken("switch_keeps_own_wave"), 40)
+    assert broken.violation is not None
+    assert broken.violation.rule == "coordinator_wave", broken.violation.report()
+
+
+def test_a_request_for_the_new_rank_during_a_scale_up() -> None:
+    # rank=2 goes to rank 0 while the client's table has two ranks, to the new rank
+    # once the coordinator confirmed three.
+    world = WorldConfig(dp_size=2, duplicate_wave_complete=False)
+    config = ExploreConfig(world=world, requests=(RequestSpec(rank=2),), script=scale_script(3))
+    result = explore(config, 14)
+    assert result.violation is None, result.violation.report() if result.violation else ""
+
+
+# -- rank rules fixed late ---------------------------------------------------------------
+
+_NO_DUPLICATES = WorldConfig(dp_size=2, duplicate_wave_complete=False)
+
+
+def test_a_pause_while_paused_does_not_loosen_the_frozen_scheduler() -> None:
+    config = ExploreConfig(
+        world=_NO_DUPLICATES,
+        requests=(RequestSpec(rank=1, steps=3),),
+        script=(("pause", PauseMode.KEEP), ("pause", PauseMode.WAIT)),
+    )
+    _assert_guarded(config, "repause_loosens_scheduler", {"forward_after_pause"}, depth=14)
+
+
+def test_a_draining_wait_pause_rank_is_not_left_pausing_alone() -> None:
+    config = ExploreConfig(
+        world=_NO_DUPLICATES,
+        requests=(RequestSpec(rank=1, steps=2),),
+        script=(("pause", PauseMode.WAIT),),
+    )
+    _assert_guarded(config, "draining_rank_hides_work", {"deadlock"}, depth=16)
+
+
+def test_an_independent_rank_answers_a_wait_pause_after_its_last_request() -> None:
+    config = ExploreConfig(
+        world=WorldConfig(dp_size=2, lockstep=False, duplicate_wave_complete=False),
+        requests=(RequestSpec(rank=1, steps=2),),
+        script=(("pause", PauseMode.WAIT),),
+    )
+    _assert_guarded(config, "independent_wait_pause_idles", {"call_unanswered"}, depth=14)
