@@ -48,6 +48,22 @@ def null_next_token(last_token: int, position: int, vocab_size: int) -> int:
     return (last_token * 1000003 + position * 7919 + 1) % vocab_size
 
 
+def _past_eos(token: int, vocab_size: int, eos_token_id: int | None) -> int:
+    return (token + 1) % vocab_size if token == eos_token_id else token
+
+
+def null_continuation(
+    prompt_token_ids: list[int], count: int, *, vocab_size: int, eos_token_id: int | None
+) -> list[int]:
+    """The first `count` tokens a NullExecutor (without `eos_at_output`) outputs after
+    this prompt: what tests and benchmarks compare the engine's output with."""
+    tokens = list(prompt_token_ids)
+    for _ in range(count):
+        token = null_next_token(tokens[-1], len(tokens), vocab_size)
+        tokens.append(_past_eos(token, vocab_size, eos_token_id))
+    return tokens[len(prompt_token_ids) :]
+
+
 class NullExecutor:
     """A model-free `Executor`; see the module docstring."""
 
@@ -114,9 +130,7 @@ class NullExecutor:
             return self.eos_token_id  # type: ignore[return-value]
         token_ids = chunk.token_ids
         token = null_next_token(token_ids[-1], chunk.start_pos + len(token_ids), self.vocab_size)
-        if token == self.eos_token_id:
-            token = (token + 1) % self.vocab_size
-        return token
+        return _past_eos(token, self.vocab_size, self.eos_token_id)
 
     def execute(self, batch: ModelBatch) -> ModelOutput:
         self._check_awake("execute")

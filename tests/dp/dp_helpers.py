@@ -9,7 +9,7 @@ from typing import Any
 from wavecore.engine.batch import ModelBatch, ModelOutput
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core import EngineCore
-from wavecore.engine.null_executor import null_next_token
+from wavecore.engine.null_executor import null_continuation
 from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
 
 HANG_GUARD = 60
@@ -30,15 +30,9 @@ def null_config(**overrides: Any) -> EngineConfig:
 
 def expected_tokens(prompt: str, count: int) -> list[int]:
     """What the null executor produces for a byte-tokenized prompt."""
-    tokens = list(prompt.encode())
-    out: list[int] = []
-    for _ in range(count):
-        token = null_next_token(tokens[-1], len(tokens), VOCAB)
-        if token == ByteTokenizer().eos_token_id:
-            token = (token + 1) % VOCAB
-        tokens.append(token)
-        out.append(token)
-    return out
+    return null_continuation(
+        list(prompt.encode()), count, vocab_size=VOCAB, eos_token_id=ByteTokenizer().eos_token_id
+    )
 
 
 async def collect(engine: Any, prompt: str, params: Any, **kwargs: Any) -> list[Any]:

@@ -16,7 +16,7 @@ from wavecore.engine.errors import (
     PromptTooLongError,
     UnknownRequestError,
 )
-from wavecore.engine.null_executor import null_next_token
+from wavecore.engine.null_executor import null_continuation
 from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.statemachines import PauseMode
@@ -28,15 +28,9 @@ VOCAB = ByteTokenizer().vocab_size
 
 def expected_tokens(prompt: str, count: int) -> list[int]:
     """What the null executor produces for a byte-tokenized prompt."""
-    tokens = list(prompt.encode())
-    out: list[int] = []
-    for _ in range(count):
-        token = null_next_token(tokens[-1], len(tokens), VOCAB)
-        if token == ByteTokenizer().eos_token_id:
-            token = (token + 1) % VOCAB
-        tokens.append(token)
-        out.append(token)
-    return out
+    return null_continuation(
+        list(prompt.encode()), count, vocab_size=VOCAB, eos_token_id=ByteTokenizer().eos_token_id
+    )
 
 
 async def collect(engine, prompt, params, **kwargs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from wavecore.engine.null_executor import NullExecutor, null_next_token
+from wavecore.engine.null_executor import NullExecutor, null_continuation
 from wavecore.engine.scheduler import Scheduler, SchedulerConfig
 from wavecore.statemachines.request import FinishReason
 
@@ -70,10 +70,4 @@ def run(scheduler: Scheduler, executor: NullExecutor, max_steps: int = 10_000) -
 
 def expected_outputs(prompt: list[int], max_tokens: int) -> list[int]:
     """What the NullExecutor produces for an unpreempted request that never sees EOS."""
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        token = null_next_token(tokens[-1], len(tokens), VOCAB)
-        if token == EOS:
-            token = (token + 1) % VOCAB
-        tokens.append(token)
-    return tokens[len(prompt) :]
+    return null_continuation(prompt, max_tokens, vocab_size=VOCAB, eos_token_id=EOS)
