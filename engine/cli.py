@@ -341,10 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
 def use_passive_openmp_waits() -> None:
     """Ask OpenMP to sleep, not spin, between parallel regions, unless the user chose.
 
-    A decode step is hundreds of small ops; spinning workers on a loaded machine
-    steal the cores the next op needs (measured: a batch-1 step at load 4 on 2 cores
-    went from ~250 ms to ~48 ms with PASSIVE). OpenMP reads this once, when torch
-    loads it, so it is set here, where the process starts and before anything imports
+    A decode step is hundreds of small ops; on a loaded machine spinning workers steal
+    the cores the next op needs. Measured on 2 cores at load 3-4.5 (SmolLM2-135M,
+    context 128): a batch-1 step took 38-53 ms PASSIVE against 240-375 ms spinning,
+    and spinning sometimes stalled a batch-64 step for seconds; but a batch-64 step
+    was typically 1.7x slower PASSIVE (450-610 ms against 250-370 ms). Interactive
+    use is latency-bound, so PASSIVE is the default here; set OMP_WAIT_POLICY=ACTIVE
+    for large-batch throughput on a machine of one's own. OpenMP reads this once, when
+    torch loads it, so it is set where the process starts, before anything imports
     torch; a library import must not change the process environment.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -29,6 +29,9 @@ class ExploreConfig:
     world: WorldConfig = field(default_factory=WorldConfig)
     requests: tuple[RequestSpec, ...] = ()
     script: tuple[ClientOp, ...] = ()
+    # A configuration whose interleavings multiply too fast caps the depth it is
+    # explored to, whatever depth is asked for.
+    depth_limit: int | None = None
 
     def broken(self, name: str) -> ExploreConfig:
         """The same configuration running the named broken variant."""
@@ -62,7 +65,15 @@ def default_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
         configs.append(
             ("request-and-pause", ExploreConfig(world=world, requests=(last,), script=pause_resume))
         )
-    return (*configs, *scale_configs(dp_size))
+    # A request for the rank a scale up adds: it reaches rank 0 while the client's table
+    # has dp_size ranks, the new rank once the coordinator confirmed the new group.
+    grow = ExploreConfig(
+        world=WorldConfig(dp_size=dp_size, duplicate_wave_complete=False),
+        requests=(RequestSpec(rank=dp_size),),
+        script=scale_script(dp_size + 1),
+        depth_limit=14 if dp_size <= 2 else 12,
+    )
+    return (*configs, *scale_configs(dp_size), (f"scale-up-{dp_size + 1}-request", grow))
 
 
 def scale_script(dp_size: int) -> tuple[ClientOp, ...]:
@@ -133,7 +144,10 @@ def _replay(config: ExploreConfig, moves: list[tuple[object, ...]]) -> Violation
 
 
 def explore(config: ExploreConfig, depth: int) -> ExploreResult:
-    """Breadth-first search to ``depth`` moves; the first violation with its trace."""
+    """Breadth-first search to ``depth`` moves (at most the configuration's
+    ``depth_limit``); the first violation with its trace."""
+    if config.depth_limit is not None:
+        depth = min(depth, config.depth_limit)
     start = World.start(config.world)
     if not config.requests:
         start.forget_views()

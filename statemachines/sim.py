@@ -8,13 +8,16 @@ Theory of operation:
    ``step()`` then performs one enabled move chosen by the seeded generator, so every
    seed is one reproducible interleaving.
 2. A scale is the client's script: prepare (pause staying ranks KEEP and leaving ranks
-   ABORT), commit once the pause is answered, resume. ``step()`` runs the later parts
-   as client moves among the others.
+   ABORT), commit once the pause is answered, resume once the coordinator published
+   the new group size. ``step()`` runs the later parts as client moves among the
+   others.
 3. ``run()`` steps until nothing is left to deliver or step, then checks the end-state
    properties. Any broken property raises ``Violation`` carrying the whole trace.
 4. ``python -m wavecore.statemachines.sim --dp 3 --depth 40`` explores every
-   interleaving of a small configuration and exits 0 with "no violation", or 1 with
-   the violating trace; ``--break NAME`` runs a deliberately broken variant.
+   interleaving of the small configurations of ``explore.default_configs`` (a request,
+   pause and resume, a scale up and a scale down, a request during a scale up) and
+   exits 0 with "no violation", or 1 with the violating trace; ``--break NAME`` runs a
+   deliberately broken variant.
 """
 
 from __future__ import annotations

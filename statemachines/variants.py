@@ -19,10 +19,10 @@ from .rank import (
     RankMachine,
     RankPhase,
     RankSnapshot,
+    Reconfigured,
     RequestArrived,
     ResumeBarrier,
     StartWave,
-    Reconfigured,
     StepDone,
     SyncDP,
 )

@@ -14,8 +14,17 @@ Theory of operation:
    barrier) completes the moment the last rank of the group enters it.
 4. The client's view of (wave, running) is whatever the coordinator last published; it
    sends FIRST_REQ whenever that view says idle. It never resumes while its pause is
-   unanswered (the rank refuses too) nor while asleep.
-5. Invariants are checked after every move (``Violation`` names the rule): lockstep,
+   unanswered (the rank refuses too) nor while asleep. A pause is answered by each
+   rank's ``PauseComplete``, a sleep by its ``EnterSleep``; no other reply (a wake's)
+   counts.
+5. A scale is the client's script: prepare (new ranks join paused, their schedulers
+   too; leaving ranks leave load balancing; staying ranks pause KEEP, leaving ones
+   ABORT, so what they held is reported aborted), commit once every pause is answered
+   (the DP group switches at once; rank 0 sends ``resize`` to the coordinator), then
+   resume only once the coordinator has published the new size. Until then the
+   client's table keeps the old ranks, so no message naming a new rank can reach a
+   coordinator that does not know it.
+6. Invariants are checked after every move (``Violation`` names the rule): lockstep,
    drift, no forward after pause consensus or after the client was told "paused",
    requests reaching a paused or sleeping rank are announced, the coordinator's wave
    never goes backwards nor ahead of the ranks, and no deadlock (a rank in a collective
@@ -23,7 +32,7 @@ Theory of operation:
    quiescence (nothing to deliver, nothing to step): the coordinator agrees with the
    ranks, every pause or sleep the client waits for was answered, and every accepted
    request finished unless the engines are paused.
-6. The world is a value: ``clone()`` is cheap (machines keep their state in one frozen
+7. The world is a value: ``clone()`` is cheap (machines keep their state in one frozen
    snapshot) and ``key()`` hashes everything that decides the future.
 """
 
@@ -66,7 +75,6 @@ from .rank import (
     StepDone,
     SyncDone,
     SyncDP,
-    WakeUp,
     WakeUpRequested,
 )
 from .scaling import (

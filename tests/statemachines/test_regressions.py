@@ -117,6 +117,7 @@ def test_a_request_for_the_new_rank_during_a_scale_up() -> None:
     config = ExploreConfig(world=world, requests=(RequestSpec(rank=2),), script=scale_script(3))
     result = explore(config, 14)
     assert result.violation is None, result.violation.report() if result.violation else ""
+    assert result.states > 1000, "the scale with a request explored suspiciously little"
 
 
 # -- rank rules fixed late ---------------------------------------------------------------
