@@ -76,6 +76,19 @@ async def run_wavecore(
     )
 
 
+def _step_clock(timers: list[RequestTimer]):  # type: ignore[no-untyped-def]
+    """A logits processor called once per generated position: each sequence got a token."""
+    from transformers import LogitsProcessor
+
+    class StepClock(LogitsProcessor):
+        def __call__(self, input_ids, scores):  # type: ignore[no-untyped-def]
+            for timer in timers:
+                timer.tokens_arrived(1)
+            return scores
+
+    return StepClock()
+
+
 class TransformersPeer:
     """transformers `generate`, left-padded batches, timing the first token by hook."""
 
@@ -88,12 +101,12 @@ class TransformersPeer:
         path = default_model_path()
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
         )
         self.model.eval()
 
     def run(self, prompts: list[list[int]], new_tokens: int, batch: int) -> RunSummary:
-        from transformers import LogitsProcessor, LogitsProcessorList
+        from transformers import LogitsProcessorList
 
         torch = self.torch
         timers: list[RequestTimer] = []
@@ -107,17 +120,6 @@ class TransformersPeer:
             mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in group])
             group_timers = [RequestTimer() for _ in group]
 
-            class StepClock(LogitsProcessor):
-                """Called once per generated position: each sequence got a token."""
-
-                def __init__(self, timers: list[RequestTimer]) -> None:
-                    self.timers = timers
-
-                def __call__(self, input_ids, scores):  # type: ignore[no-untyped-def]
-                    for timer in self.timers:
-                        timer.tokens_arrived(1)
-                    return scores
-
             with torch.inference_mode():
                 out = self.model.generate(
                     input_ids=ids,
@@ -126,7 +128,7 @@ class TransformersPeer:
                     min_new_tokens=new_tokens,
                     do_sample=False,
                     pad_token_id=pad,
-                    logits_processor=LogitsProcessorList([StepClock(group_timers)]),
+                    logits_processor=LogitsProcessorList([_step_clock(group_timers)]),
                 )
             outputs += (out.shape[1] - longest) * len(group)
             timers += group_timers

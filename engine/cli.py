@@ -165,7 +165,8 @@ async def run_generate(
     async with _open_engine(args, config) as engine:
         loading.stop()
         start = time.perf_counter()
-        if len(jobs) == 1 and args.output is None:
+        scale_at = _check_scale_at(args, engine)
+        if len(jobs) == 1 and args.output is None and scale_at is None:
 
             def echo(text: str) -> None:
                 console.print(text, end="", markup=False, highlight=False)
@@ -182,10 +183,18 @@ async def run_generate(
                 transient=True,
             ) as progress:
                 task = progress.add_task("generating", total=len(jobs))
+                done = [0]
+
+                async def scale(size: int) -> None:
+                    await engine.scale(size)
+                    console.print(f"scaled to {size} data-parallel ranks")
 
                 async def run_one(job: PromptJob) -> None:
                     await _run_job(engine, job, lambda _text: None)
                     progress.advance(task)
+                    done[0] += 1
+                    if scale_at is not None and done[0] == scale_at[0]:
+                        tg.start_soon(scale, scale_at[1])
 
                 async with anyio.create_task_group() as tg:
                     for job in jobs:
@@ -199,6 +208,25 @@ async def run_generate(
         output_tokens=sum(len(job.token_ids) for job in jobs),
         seconds=seconds,
     )
+
+
+def _check_scale_at(args: argparse.Namespace, engine: Any) -> tuple[int, int] | None:
+    """`--scale-at REQS:SIZE`: after REQS requests finished, scale to SIZE ranks."""
+    scale_at: tuple[int, int] | None = args.scale_at
+    if scale_at is None:
+        return None
+    if not hasattr(engine, "scale") or args.dp_master is not None:
+        raise UsageError("--scale-at needs a local data-parallel engine (--dp 2 or more)")
+    return scale_at
+
+
+def _scale_at(text: str) -> tuple[int, int]:
+    requests, colon, size = text.partition(":")
+    if not colon or not requests.isdigit() or not size.isdigit() or int(size) < 1:
+        raise argparse.ArgumentTypeError(
+            f"--scale-at takes REQS:SIZE (finished requests, new rank count >= 1), got {text!r}"
+        )
+    return int(requests), int(size)
 
 
 def _open_engine(args: argparse.Namespace, config: EngineConfig) -> Any:
@@ -310,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     engine.add_argument("--dp", type=int, default=1, help="data-parallel ranks (processes)")
     engine.add_argument("--dp-mode", choices=["lockstep", "independent"], default="lockstep")
+    engine.add_argument(
+        "--scale-at",
+        type=_scale_at,
+        metavar="REQS:SIZE",
+        help="after REQS requests finished, scale to SIZE data-parallel ranks",
+    )
     engine.add_argument(
         "--dp-master",
         metavar="HOST:PORT",

@@ -45,3 +45,15 @@ class EngineDeadError(EngineError):
 
 class EngineClosedError(EngineError):
     """The engine's `async with` block has ended; it takes no more calls."""
+
+
+class ScalingInProgressError(EngineError):
+    """`scale` was called while another reconfiguration is still active."""
+
+
+class ScalingFailedError(EngineError):
+    """A scale failed and was rolled back; the engine serves at its old size."""
+
+
+class ScalingRefusedError(EngineError):
+    """`scale` was refused before anything changed (bad size, or the engine is paused)."""

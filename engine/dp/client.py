@@ -15,7 +15,9 @@ Theory of operation:
 3. Utility calls (pause, resume, sleep, wake_up, reset_prefix_cache, stats) go to every
    rank and complete when every rank replied; a rank defers its pause reply until the
    pause really holds.
-4. A process that exits, or a rank that reports a failure, kills the engine: every
+4. `scale(n)` changes the number of ranks while serving (`scaling` explains how; the
+   launcher's handshake socket stays open for the ranks it adds).
+5. A process that exits, or a rank that reports a failure, kills the engine: every
    request in flight fails with `EngineDeadError` naming the rank, every later call
    raises it at once, and the launcher still reaps every process on exit.
 """
@@ -39,6 +41,7 @@ from wavecore.engine.dp import messages as m
 from wavecore.engine.dp.launcher import DPWiring, open_dp_processes
 from wavecore.engine.dp.load_balancer import LoadBalancer
 from wavecore.engine.dp.rank_process import BuildCore
+from wavecore.engine.dp.scaling import Scaler
 from wavecore.engine.errors import (
     DuplicateRequestError,
     EngineClosedError,
@@ -107,6 +110,11 @@ class DPClient:
         self._dead: EngineDeadError | None = None
         self._closed = False
         self.requests_per_rank = [0] * config.dp_size
+        # Elastic scaling: set on every finished request (a scale down waits on it), and
+        # whether the user paused the engine (a scale is then refused).
+        self.request_done = anyio.Event()
+        self.user_paused = False
+        self.scaler = Scaler(self)
 
     # -- calls -------------------------------------------------------------------------
 
@@ -127,10 +135,11 @@ class DPClient:
         if dp_rank is not None and (
             isinstance(dp_rank, bool)
             or not isinstance(dp_rank, int)
-            or not 0 <= dp_rank < self.dp_size
+            or not 0 <= dp_rank < self._balancer.dp_size
         ):
+            # The balancer's size: during a scale down the leaving ranks take no more.
             raise InvalidRequestError(
-                f"dp_rank must be an int in [0, {self.dp_size}), got {dp_rank!r}"
+                f"dp_rank must be an int in [0, {self._balancer.dp_size}), got {dp_rank!r}"
             )
         request = self._inputs.prepare(request_id, prompt, params)
         if dp_rank is None:
@@ -183,6 +192,7 @@ class DPClient:
         call = self._pause_call
         try:
             await self._finish_call(call)
+            self.user_paused = True
         finally:
             if self._pause_call is call:
                 self._pause_call = None
@@ -193,6 +203,43 @@ class DPClient:
         if self._pausing is not None:
             raise PauseInProgressError(f"a {self._pausing.name} pause is still completing")
         await self._call_all("resume")
+        self.user_paused = False
+
+    async def scale(self, new_dp_size: int, *, drain_timeout: float | None = None) -> None:
+        """Change the number of ranks while serving; see `wavecore.engine.dp.scaling`."""
+        self._check_open()
+        await self.scaler.scale(new_dp_size, drain_timeout=drain_timeout)
+
+    @property
+    def owners(self) -> Mapping[str, int]:
+        """Which rank serves each request in flight."""
+        return self._owner
+
+    def resize_tables(self, dp_size: int) -> None:
+        """A scale's commit: the client's per-rank tables take the new size."""
+        self.dp_size = dp_size
+        self.requests_per_rank = (self.requests_per_rank + [0] * dp_size)[:dp_size]
+        self.route_to(dp_size)
+
+    def route_to(self, dp_size: int) -> None:
+        """New requests go to ranks [0, dp_size) only; in-flight counts are kept."""
+        balancer = LoadBalancer(dp_size)
+        kept = min(dp_size, self._balancer.dp_size)
+        balancer.inflight[:kept] = self._balancer.inflight[:kept]
+        self._balancer = balancer
+
+    async def send_to_rank(self, rank: int, message: Any) -> None:
+        await self.wiring.to_ranks[rank].send(message)
+
+    def start_switch(self, dp_size: int) -> tuple[int, _Call]:
+        """A call that completes when ranks [0, dp_size) answered (see `scaling`)."""
+        call_id = next(self._call_ids)
+        call = _Call(waiting_for=set(range(dp_size)))
+        self._calls[call_id] = call
+        return call_id, call
+
+    async def finish_call(self, call: _Call) -> None:
+        await self._finish_call(call)
 
     async def sleep(self, level: int = 1) -> None:
         """Pause (aborting running requests: their KV cache goes) and free memory."""
@@ -269,12 +316,18 @@ class DPClient:
     async def receive_state(self) -> None:
         try:
             async for state in self.wiring.coordinator_state:
+                if type(state) is m.EndsExpected:
+                    self.scaler.on_ends_expected(state.token)
+                    continue
                 if type(state) is not m.CoordinatorState or len(state.waiting) != self.dp_size:
                     self.wiring.invalid_frames[1].unexpected(state)
                     continue
                 self._wave = state.wave
                 self._engines_running = state.engines_running
-                self._balancer.update(state.waiting, state.running, state.kv_usage)
+                size = self._balancer.dp_size  # smaller while a scale down drains
+                self._balancer.update(
+                    state.waiting[:size], state.running[:size], state.kv_usage[:size]
+                )
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             pass
 
@@ -334,6 +387,8 @@ class DPClient:
         self._die(EngineDeadError(message.error))
 
     def on_process_exit(self, name: str, exitcode: int | None) -> None:
+        if name in self.scaler.retiring:
+            return  # removed by a scale, on purpose
         if not self._closed:
             self._die(EngineDeadError(f"{name} died (exit code {exitcode})"))
 
@@ -342,7 +397,13 @@ class DPClient:
     def _finished(self, request_id: str) -> None:
         del self._streams[request_id]
         self._held.pop(request_id, None)
-        self._balancer.finished(self._owner.pop(request_id))
+        self._count_finished(self._owner.pop(request_id))
+
+    def _count_finished(self, rank: int) -> None:
+        if rank < self._balancer.dp_size:  # a leaving rank is no longer balanced
+            self._balancer.finished(rank)
+        self.request_done.set()
+        self.request_done = anyio.Event()
 
     def _forget(self, request_id: str) -> None:
         """The consumer left early: abort the request on its rank."""
@@ -350,7 +411,7 @@ class DPClient:
         self._held.pop(request_id, None)
         rank = self._owner.pop(request_id, None)
         if rank is not None:
-            self._balancer.finished(rank)
+            self._count_finished(rank)
             if self._dead is None and not self._closed:
                 self._post(rank, m.AbortRequests(request_ids=(request_id,)))
 
@@ -442,6 +503,7 @@ async def open_dp_engine(
                 tg.start_soon(client.receive_outputs)
                 tg.start_soon(client.receive_state)
                 tg.start_soon(client.send_outbox)
+                await tg.start(client.scaler.serve)
                 try:
                     yield client
                 finally:

@@ -24,6 +24,7 @@ import anyio
 from wavecore.channels import MessageSender, open_pub, open_pull, open_req
 from wavecore.engine.dp import messages as m
 from wavecore.engine.dp.invalid_frames import InvalidFrameLog
+from wavecore.engine.dp.stream_ends import expect_more_ends
 from wavecore.statemachines.coordinator import (
     BroadcastStartWave,
     CoordinatorMachine,
@@ -31,6 +32,7 @@ from wavecore.statemachines.coordinator import (
     PublishState,
     RankStartedWave,
     RankStats,
+    Resize,
     WaveCompleted,
 )
 from wavecore.statemachines.errors import ProtocolError
@@ -55,6 +57,7 @@ _EVENTS: dict[type, Callable[[Any], object]] = {
     m.LoadReport: lambda msg: RankStats(
         rank=msg.rank, waiting=msg.waiting, running=msg.running, kv_usage=msg.kv_usage
     ),
+    m.CoordinatorResize: lambda msg: Resize(dp_size=msg.dp_size),
 }
 
 
@@ -82,7 +85,12 @@ async def _run_coordinator(handshake_address: str, dp_size: int, listen_base: st
             tg.start_soon(relay.publish_periodically)
             try:
                 async for message in inputs:
-                    await relay.receive(message)
+                    if isinstance(message, m.ExpectEnds):
+                        expect_more_ends(inputs, message.markers)  # ranks a scale removes
+                        answer = m.EndsExpected(token=message.token)
+                        await pub.publish(m.SCALE_TOPIC, answer)
+                    else:
+                        await relay.receive(message)
             except anyio.EndOfStream:
                 pass
             tg.cancel_scope.cancel()

@@ -87,6 +87,14 @@ class DPWiring:
     addresses: dict[str, str] = field(default_factory=dict)
     ipc_directory: str | None = None
     invalid_frames: list[InvalidFrameLog] = field(default_factory=list)
+    # What elastic scaling (engine/dp/scaling.py) needs to start more ranks later.
+    rank_handshake: MessageStream | None = None
+    store: Any = None
+    host: str = "127.0.0.1"
+    listen: Callable[[str], str] | None = None
+    build_core: BuildCore | None = None
+    rank_configs: Mapping[int, EngineConfig] = field(default_factory=dict)
+    group_prefix: str = ""
 
 
 class _Addresses:
@@ -204,6 +212,12 @@ async def open_dp_processes(
                 invalid_frames=invalid,
                 ipc_directory=addresses.directory,
             )
+            wiring.rank_handshake = rank_rep
+            wiring.store = store
+            wiring.host = host
+            wiring.listen = addresses.listen
+            wiring.build_core = build_core
+            wiring.rank_configs = dict(rank_configs or {})
             wiring.addresses["outputs"] = outputs.address
             wiring.addresses["rank_handshake"] = rank_rep.address
             async with anyio.create_task_group() as tg, AsyncExitStack() as late:
@@ -262,6 +276,7 @@ async def _startup(
     hellos: set[int] = set()
     ready: set[int] = set()
     group_prefix = f"wavecore-dp-{uuid.uuid4().hex}"
+    wiring.group_prefix = group_prefix
 
     async def handshake() -> None:
         hello = await coordinator_rep.receive()

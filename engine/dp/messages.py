@@ -54,6 +54,9 @@ class RankAssignment:
     store_port: int
     group_prefix: str
     collective_timeout_s: float
+    # A rank started by a scale up: it starts paused (KEEP) and joins no group until
+    # the commit's `SwitchGroup`.
+    joining: bool = False
 
 
 @_message(30604)
@@ -273,3 +276,40 @@ class CoordinatorState:
 
 WAVE_TOPIC = "wave"
 STATE_TOPIC = "state"
+SCALE_TOPIC = "scale"
+
+
+# -- elastic scaling (see engine/dp/scaling.py) -------------------------------------------
+
+
+@_message(30640)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SwitchGroup:
+    """Commit of a scale: join the gloo group `group_prefix` of `dp_size` ranks, adopt
+    its max of (wave, step_counter); the reply is a `UtilityResult` for `call_id`."""
+
+    call_id: int
+    dp_size: int
+    group_prefix: str
+
+
+@_message(30641)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorResize:
+    dp_size: int
+
+
+@_message(30642)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpectEnds:
+    """Ranks are about to leave: `markers` more end-of-stream markers will arrive. The
+    coordinator answers with `EndsExpected(token)` on SCALE_TOPIC."""
+
+    markers: int
+    token: int
+
+
+@_message(30643)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EndsExpected:
+    token: int

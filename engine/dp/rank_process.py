@@ -57,7 +57,10 @@ from wavecore.statemachines.rank import (
     PauseMode,
     PauseRequested,
     PauseScheduler,
+    PauseState,
     RankMachine,
+    RankPhase,
+    Reconfigured,
     RequestArrived,
     RequestHeld,
     ResumeBarrier,
@@ -135,7 +138,7 @@ async def _run_rank(
                 try:
                     core = await model_thread.run(build_core, config)
                     group = None
-                    if assignment.lockstep:
+                    if assignment.lockstep and not assignment.joining:
                         from wavecore.engine.dp.collective import DPGroup
 
                         group = await model_thread.run(
@@ -172,7 +175,12 @@ async def _run_rank(
                     assignment.dp_size,
                     sync_interval=assignment.sync_interval,
                     lockstep=assignment.lockstep,
+                    joining=assignment.joining,
                 )
+                if assignment.joining:
+                    # Rule 11 of the rank machine: a joining rank's scheduler starts
+                    # frozen (KEEP), as its machine does.
+                    core.pause(PauseMode.KEEP)
                 loop = RankLoop(
                     core=core,
                     machine=machine,
@@ -181,6 +189,7 @@ async def _run_rank(
                     outputs=outputs,
                     coordinator=coordinator,
                     invalid=invalid,
+                    assignment=assignment,
                 )
                 try:
                     await _serve(loop, inputs, waves)
@@ -231,8 +240,10 @@ class RankLoop:
         outputs: MessageSender,
         coordinator: MessageSender,
         invalid: InvalidFrameLog,
+        assignment: m.RankAssignment | None = None,
     ) -> None:
         self.core = core
+        self._assignment = assignment
         self._invalid = invalid
         self.machine = machine
         self.rank = machine.rank
@@ -271,6 +282,7 @@ class RankLoop:
             m.StopRequests: self._on_stop,
             m.StartDPWave: self._on_start_wave,
             m.UtilityCall: self._on_utility,
+            m.SwitchGroup: self._on_switch_group,
         }
         self._actions: dict[type, Callable[[Any], Any]] = {
             RunDummyBatch: self._run_dummy,
@@ -388,6 +400,43 @@ class RankLoop:
             await self._utilities[call.method](call)
         except (ProtocolError, ValueError, KeyError) as error:
             await self._reply(call.call_id, error=f"{type(error).__name__}: {error}")
+
+    async def _on_switch_group(self, message: m.SwitchGroup) -> None:
+        """A scale's commit (rule 11): only while paused and idle, so no collective of
+        the old group is outstanding; refused otherwise, before joining anything."""
+        machine = self.machine
+        if machine.pause_state is not PauseState.PAUSED or machine.phase is not RankPhase.IDLE:
+            await self._reply(message.call_id, error="only a paused, idle rank can switch groups")
+            return
+        wave, step_counter = machine.wave, machine.step_counter
+        assignment = self._assignment
+        if machine.lockstep and assignment is not None:
+            from wavecore.engine.dp.group_switch import join_and_agree
+
+            group, agreed = await self._thread.run(
+                lambda: join_and_agree(
+                    host=assignment.store_host,
+                    port=assignment.store_port,
+                    prefix=message.group_prefix,
+                    rank=self.rank,
+                    size=message.dp_size,
+                    timeout_s=assignment.collective_timeout_s,
+                    running=machine.running,
+                    wave=wave,
+                    step_counter=step_counter,
+                )
+            )
+            self._group = group
+            wave, step_counter = agreed.wave, agreed.step_counter
+        event = Reconfigured(
+            rank=self.rank,
+            dp_size=message.dp_size,
+            wave=wave,
+            running=False,
+            step_counter=step_counter,
+        )
+        await self._perform(machine.handle(event))
+        await self._reply(message.call_id)
 
     # -- utilities -----------------------------------------------------------------------
 
