@@ -32,6 +32,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/model.py
 	$(BIN)/python bench/scheduler.py
 	$(BIN)/python bench/generate.py
+	$(BIN)/python bench/dp.py
+	$(BIN)/python bench/scale.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,7 +7,11 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = {"engine": "wavecore.engine", "channels": "wavecore.channels", "statemachines": "wavecore.statemachines"}
+FOLDERS = {
+    "engine": "wavecore.engine",
+    "channels": "wavecore.channels",
+    "statemachines": "wavecore.statemachines",
+}
 
 
 def _declared_packages() -> set[str]:
@@ -49,4 +53,6 @@ def test_statemachines_are_pure() -> None:
 def test_channels_do_not_import_the_engine() -> None:
     for path in (ROOT / "channels").rglob("*.py"):
         for name in _imports(path):
-            assert not name.startswith("wavecore.engine"), f"{path.relative_to(ROOT)} imports {name}"
+            assert not name.startswith("wavecore.engine"), (
+                f"{path.relative_to(ROOT)} imports {name}"
+            )
