@@ -88,16 +88,13 @@ class AsyncEngine:
         request = self._core.inputs.prepare(request_id, prompt, params)
         stream = RequestStream(request, self._core.tokenizer)
         self._streams[request_id] = stream
-        finished = False
         try:
             # Through the loop, so a refusal (or a dead engine) reaches this caller.
             await self._between_steps(lambda: self._core.add_request(request))
-            while not finished:
-                delta = await stream.get()
-                finished = delta.finished
+            async for delta in stream.deltas():
                 yield delta
         finally:
-            if not finished:
+            if not stream.finished:
                 self._forget(request_id)
 
     async def abort(self, request_id: str) -> None:

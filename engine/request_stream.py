@@ -14,6 +14,8 @@ the caller finishes the request in the scheduler that still holds it.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import anyio
 
 from wavecore.engine.input_processor import EngineRequest
@@ -82,6 +84,14 @@ class RequestStream:
         self._error = error
         self.finished = True
         self._ready.set()
+
+    async def deltas(self) -> AsyncIterator[CompletionDelta]:
+        """Every delta, up to the one that finishes the request."""
+        while True:
+            delta = await self.get()
+            yield delta
+            if delta.finished:
+                return
 
     async def get(self) -> CompletionDelta:
         await self._ready.wait()

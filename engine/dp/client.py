@@ -162,14 +162,11 @@ class DPClient:
         )
         if self._lockstep and not self._engines_running:
             await self.wiring.to_coordinator.send(m.FirstRequest(rank=rank, wave=wave))
-        finished = False
         try:
-            while not finished:
-                delta = await stream.get()
-                finished = delta.finished
+            async for delta in stream.deltas():
                 yield delta
         finally:
-            if not finished:
+            if not stream.finished:
                 self._forget(request_id)
 
     async def abort(self, request_id: str) -> None:
