@@ -46,6 +46,7 @@ SLEEP_TAGS = frozenset({"weights", "kv_cache", "scheduling"})
 _EXECUTOR_TAGS = frozenset({"weights", "kv_cache"})
 # The null executor stands in for a model of about this KV footprint per block.
 _NULL_BYTES_PER_BLOCK = 16 * 2**10
+_NULL_NOMINAL_MEMORY = 2**30
 _NULL_MAX_MODEL_LEN = 8192
 _PAUSE_STATES = {
     PauseMode.ABORT: PauseState.PAUSED_NEW,
@@ -136,7 +137,9 @@ class EngineCore:
 
         tokenizer = ByteTokenizer()
         memory = config.kv_cache_memory
-        budget = int(memory * 2**30) if isinstance(memory, float) else memory
+        # The null executor holds no device memory; a fraction is read as a share of a
+        # nominal 1 GiB so that a config written for the model still sizes a pool.
+        budget = int(memory * _NULL_NOMINAL_MEMORY) if isinstance(memory, float) else memory
         executor = NullExecutor(
             num_kv_blocks=max(1, budget // _NULL_BYTES_PER_BLOCK),
             block_size=config.block_size,
