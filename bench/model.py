@@ -4,9 +4,13 @@ For each decode batch size B, both sides prefill the same B prompts (token ids,
 `--context` tokens each; not timed), then run greedy decode steps of B tokens:
 - wavecore: `ModelExecutor.execute` (paged KV cache, sampler included);
 - transformers: the model's forward with its own KV cache (`past_key_values`);
-and at batch 1 also transformers `generate`. The roof is this machine's float32
-matmul rate (a 2048^3 product); a decode step costs 2 x parameters x tokens FLOPs,
-so "roof" is that over the step time, as a fraction of the measured GFLOP/s.
+and at batch 1 also transformers `generate`. Two roofs are measured in the same run:
+- compute: this machine's float32 matmul rate (a 2048^3 product); a decode step
+  costs 2 x parameters x tokens FLOPs, so "roof" is that over the step time, as a
+  fraction of the measured GFLOP/s;
+- memory: the rate at which a vector-matrix product streams a 256 MiB float32
+  matrix. A batch-1 step must read every weight once, so this rate over the
+  weights' bytes bounds batch-1 decode, whatever the engine.
 Decode rates use the median step time, so a load spike from another process on a
 shared machine moves them little; the load average is recorded with the results.
 
@@ -43,6 +47,17 @@ def matmul_gflops(size: int, repeats: int) -> float:
     for _ in range(repeats):
         a @ b
     return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def stream_gbps(mib: int, repeats: int) -> float:
+    """GB/s at which a vector-matrix product reads a `mib` MiB float32 matrix."""
+    matrix = torch.randn(mib * 2**20 // 4 // 1024, 1024)
+    vector = torch.randn(1, matrix.shape[0])
+    vector @ matrix
+    start = time.perf_counter()
+    for _ in range(repeats):
+        vector @ matrix
+    return matrix.numel() * 4 * repeats / (time.perf_counter() - start) / 1e9
 
 
 def make_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
@@ -144,12 +159,18 @@ def main() -> None:
     steps = 3 if args.quick else 16
     context = args.context or (16 if args.quick else 128)
     roof = matmul_gflops(512 if args.quick else 2048, 2 if args.quick else 10)
+    bandwidth = stream_gbps(16 if args.quick else 256, 2 if args.quick else 10)
 
     executor = load_executor(
         args.model, device="cpu", kv_cache_memory=args.kv_cache_mib * 2**20, seed=0
     )
     config = executor.config
     flops_per_token = 2 * config.num_parameters
+    # What one batch-1 step must read: every weight but an untied embedding, of which
+    # it reads one row.
+    embedding = 0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size
+    weight_bytes = 4 * (config.num_parameters - embedding)
+    bandwidth_roof = bandwidth * 1e9 / weight_bytes
     peer = None if args.skip_peer else load_transformers(args.model, executor)
 
     rows = []
@@ -181,7 +202,8 @@ def main() -> None:
 
     print(
         f"model {executor.source.path.name}: {config.num_parameters / 1e6:.1f} M parameters, "
-        f"context {context}, fp32 matmul roof {roof:.1f} GFLOP/s, {torch.get_num_threads()} threads"
+        f"context {context}, {torch.get_num_threads()} threads; roofs: fp32 matmul "
+        f"{roof:.1f} GFLOP/s, weight streaming {bandwidth:.1f} GB/s"
     )
     print(
         f"{'batch':>5} {'wavecore tok/s':>15} {'HF forward tok/s':>17} {'ratio':>6} "
@@ -200,6 +222,11 @@ def main() -> None:
         f"transformers generate, batch 1: {show(generate, '{:.1f}')} tok/s; "
         f"wavecore batch 1 is {show(batch_one / generate if generate else None, '{:.2f}x')} that"
     )
+    print(
+        f"batch-1 bandwidth roof: {bandwidth_roof:.1f} tok/s ({weight_bytes / 1e6:.0f} MB of "
+        f"weights per token at {bandwidth:.1f} GB/s); wavecore batch 1 reaches "
+        f"{batch_one / bandwidth_roof:.0%} of it"
+    )
 
     results = {
         "benchmark": "model",
@@ -210,9 +237,14 @@ def main() -> None:
         "decode_steps": steps,
         "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
         "load_average_at_end": os.getloadavg(),
         "machine": platform.processor() or platform.machine(),
         "matmul_gflops": roof,
+        "stream_gbps": bandwidth,
+        "weight_bytes_per_token": weight_bytes,
+        "batch1_bandwidth_roof_tok_s": bandwidth_roof,
+        "wavecore_batch1_bandwidth_fraction": batch_one / bandwidth_roof,
         "decode": rows,
         "transformers_generate_batch1_tok_s": generate,
         "wavecore_batch1_vs_generate": batch_one / generate if generate else None,

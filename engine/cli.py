@@ -23,6 +23,9 @@ from wavecore.engine.latency import RequestTimer, RunSummary
 from wavecore.engine.sampling_params import SamplingParams
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+# About 10-30 us of spinning on a current x86 core: longer than the Python between two
+# ops of a step, far shorter than libgomp's default (see `bound_openmp_spinning`).
+OPENMP_SPIN_COUNT = 30_000
 
 
 class UsageError(Exception):
@@ -372,24 +375,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def use_passive_openmp_waits() -> None:
-    """Ask OpenMP to sleep, not spin, between parallel regions, unless the user chose.
+def bound_openmp_spinning() -> None:
+    """Let OpenMP workers spin only briefly between parallel regions, unless the user chose.
 
-    A decode step is hundreds of small ops; on a loaded machine spinning workers steal
-    the cores the next op needs. Measured on 2 cores at load 3-4.5 (SmolLM2-135M,
-    context 128): a batch-1 step took 38-53 ms PASSIVE against 240-375 ms spinning,
-    and spinning sometimes stalled a batch-64 step for seconds; but a batch-64 step
-    was typically 1.7x slower PASSIVE (450-610 ms against 250-370 ms). Interactive
-    use is latency-bound, so PASSIVE is the default here; set OMP_WAIT_POLICY=ACTIVE
-    for large-batch throughput on a machine of one's own. OpenMP reads this once, when
-    torch loads it, so it is set where the process starts, before anything imports
-    torch; a library import must not change the process environment.
+    A decode step is hundreds of small ops. Idle workers that spin long (libgomp's
+    default) steal the cores the next op needs when the machine is loaded; workers
+    that sleep at once (OMP_WAIT_POLICY=PASSIVE) pay a wake-up per op. A bounded spin
+    covers the few microseconds of Python between ops and then sleeps. Measured on 2
+    cores with SmolLM2-135M, context 128 (bench/model.py, tokens/s at batch 1 / 64):
+    quiet machine, default 29 / 277, PASSIVE 20 / 215, GOMP_SPINCOUNT=30000 31 / 288;
+    two busy processes alongside, default 17 / 157, PASSIVE 15 / 149, bounded 18 / 191.
+    OpenMP reads this once, when torch loads it, so it is set where the process starts,
+    before anything imports torch; a library import must not change the environment.
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(OPENMP_SPIN_COUNT))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    use_passive_openmp_waits()
+    bound_openmp_spinning()
     args = build_parser().parse_args(argv)
     console = Console(stderr=False)
     if args.command == "generate" and args.demo:

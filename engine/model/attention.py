@@ -4,12 +4,15 @@ A forward pass's tokens are ordered decodes first (one token per sequence), then
 prefill chunk's tokens. The two kinds are computed differently, because their costs
 differ:
 
-- Decodes are batched into one computation: every sequence's blocks are gathered
-  into a `[sequences, longest context]` key/value tensor (short tables padded with
-  the scratch block), and a boolean mask hides the padding and any slot past the
-  sequence's length; when all contexts are equally long (always at batch 1) there is
-  no mask. One gather per pool and one fused attention call: no loop, and few ops,
-  since at batch 1 per-op overhead is a large part of a step.
+- Decodes are batched into a few groups of similar context length (`decode_groups`
+  in `batch_plan.py` chooses them). Each group's blocks are gathered into a
+  `[sequences, longest context]` key/value tensor (short tables padded with the
+  scratch block), and a boolean mask hides the padding and any slot past a
+  sequence's length; when all contexts in a group are equally long (always at batch
+  1) there is no mask. Decode attention reads every cached key and value of every
+  sequence, so on the CPU it is bound by memory traffic: one group padded to the
+  longest context would gather and read up to twice the bytes when lengths are
+  mixed, while a group per sequence would pay per-call overhead many times over.
 - Each prefill chunk gathers its own blocks and runs fused scaled-dot-product
   attention with a causal mask offset by its start position (query `i` sits at
   position `start + i` and sees keys `0..start + i`). The loop is over sequences,
@@ -17,7 +20,10 @@ differ:
   batching chunks of different lengths would pad to the longest.
 
 Grouped-query attention is handled by viewing the query heads as
-`[kv_heads, group]`, so keys and values are never repeated in memory.
+`[kv_heads, group]`, so keys and values are never repeated in memory. A decode's
+queries of one KV head are all at the same position, so they are passed to the
+fused kernel as a query *sequence* of length `group` under that single KV head:
+each key block is then read once per KV head, not once per query head.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DecodeAttention:
-    """The first `num_tokens` tokens: one decode each, batched."""
+    """Tokens `[token_start, token_start + num_tokens)`: one decode each, batched."""
 
+    token_start: int
     num_tokens: int
     block_tables: torch.Tensor  # [num_tokens, max_blocks] int64, padded with the scratch block
     context_len: int  # the longest context of any of these sequences
@@ -51,7 +58,7 @@ class PrefillAttention:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AttentionPlan:
-    decode: DecodeAttention | None
+    decodes: tuple[DecodeAttention, ...]
     prefills: tuple[PrefillAttention, ...]
 
 
@@ -66,14 +73,12 @@ def paged_attention(
 
     The pools must already hold this pass's keys and values.
     """
-    if plan.decode is not None and not plan.prefills:
-        return _decode(queries, key_pool, value_pool, plan.decode, scale)
+    if len(plan.decodes) == 1 and not plan.prefills:
+        return _decode(queries, key_pool, value_pool, plan.decodes[0], scale)
     out = torch.empty_like(queries)
-    if plan.decode is not None:
-        decode = plan.decode
-        out[: decode.num_tokens] = _decode(
-            queries[: decode.num_tokens], key_pool, value_pool, decode, scale
-        )
+    for decode in plan.decodes:
+        rows = slice(decode.token_start, decode.token_start + decode.num_tokens)
+        out[rows] = _decode(queries[rows], key_pool, value_pool, decode, scale)
     for prefill in plan.prefills:
         rows = slice(prefill.token_start, prefill.token_start + prefill.num_tokens)
         out[rows] = _prefill(queries[rows], key_pool, value_pool, prefill, scale)
@@ -97,14 +102,13 @@ def _decode(
     values = value_pool.index_select(0, flat_tables).view(num_seqs, -1, kv_heads, head_dim)
     keys, values = keys[:, :context], values[:, :context]
     out = F.scaled_dot_product_attention(
-        queries.unsqueeze(2),
+        queries.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim),
         keys.transpose(1, 2),
         values.transpose(1, 2),
         attn_mask=decode.mask,
         scale=scale,
-        enable_gqa=True,
     )
-    return out.view(num_seqs, num_heads, head_dim)
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill(

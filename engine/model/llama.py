@@ -50,7 +50,7 @@ class LlamaModel:
         cos, sin = self.rotary.lookup(plan.positions)
         for index, layer in enumerate(weights.layers):
             x = rms_norm(hidden, layer.attn_norm, eps)
-            qkv = x @ layer.qkv
+            qkv = layer.qkv(x)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
             # q and k heads rotate together: one rotary call per layer.
@@ -63,15 +63,15 @@ class LlamaModel:
             attended = paged_attention(
                 queries, cache.keys[index], cache.values[index], plan.attention, self.scale
             )
-            # Residual adds fused into the matmul: one op instead of two.
-            hidden.addmm_(attended.view(tokens, q_size), layer.o)
+            # Residual adds fused into the product: one op instead of two.
+            hidden = layer.o.add_to(hidden, attended.view(tokens, q_size))
 
             x = rms_norm(hidden, layer.ffn_norm, eps)
-            gate_up = x @ layer.gate_up
+            gate_up = layer.gate_up(x)
             gate = gate_up[:, :inter]
             F.silu(gate, inplace=True)
             gate *= gate_up[:, inter:]
-            hidden.addmm_(gate, layer.down)
+            hidden = layer.down.add_to(hidden, gate)
 
         last = rms_norm(hidden.index_select(0, plan.sample_rows), weights.final_norm, eps)
-        return (last @ weights.lm_head).to(torch.float32)
+        return weights.lm_head(last).to(torch.float32)

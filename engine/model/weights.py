@@ -1,12 +1,13 @@
 """`ModelWeights`: checked, fused and laid out for the forward pass.
 
-Three layout choices, each to cut work per step:
-- q, k and v are one `[hidden, q + 2*kv]` matrix and gate and up one
-  `[hidden, 2*intermediate]` matrix, so each layer runs three matmuls, not seven;
-- every matrix is stored transposed, `[in, out]`, so `x @ w` reads it row-major, which
-  on this CPU's BLAS is the faster orientation for the small-batch decode products;
-- a tied LM head is stored once, as `[hidden, vocab]`; the embedding is its
-  transposed view, gathered by row.
+Layout choices, each to cut work per step:
+- q, k and v are one projection to `q + 2*kv` outputs and gate and up one to
+  `2*intermediate`, so each layer runs four matrix products, not seven;
+- every matrix is a `Projection` (`linear.py`), stored the way its device multiplies
+  fastest: oneDNN-packed on the CPU, a plain `[in, out]` matrix elsewhere;
+- a tied LM head shares the embedding's memory when it is plain (the embedding is
+  its transposed view); a packed head cannot be gathered by row, so the embedding
+  then keeps its own plain copy (on SmolLM2-135M, 113 MB more for a faster head).
 """
 
 from __future__ import annotations
@@ -19,46 +20,45 @@ import torch
 
 from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.errors import ModelLoadError
+from wavecore.engine.model.linear import Projection
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Projection
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Projection
     ffn_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Projection
+    down: Projection
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelWeights:
     layers: tuple[LayerWeights, ...]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor  # [hidden, vocab]
-    embed: torch.Tensor  # [vocab, hidden]; a view of lm_head when tied
+    lm_head: Projection  # hidden -> vocab
+    embed: torch.Tensor  # [vocab, hidden]; a view of a plain lm_head's matrix when shared
     rope_freqs: torch.Tensor | None  # per-frequency divisors (Llama 3 GGUF files)
 
     @property
     def num_bytes(self) -> int:
-        tensors = [self.final_norm, self.lm_head, *([] if self.tied else [self.embed])]
+        tensors = [self.final_norm, *([] if self.shares_embedding else [self.embed])]
+        projections = [self.lm_head]
         for layer in self.layers:
-            tensors += [
-                layer.attn_norm,
-                layer.qkv,
-                layer.o,
-                layer.ffn_norm,
-                layer.gate_up,
-                layer.down,
-            ]
+            tensors += [layer.attn_norm, layer.ffn_norm]
+            projections += [layer.qkv, layer.o, layer.gate_up, layer.down]
             if layer.qkv_bias is not None:
                 tensors.append(layer.qkv_bias)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(
+            p.num_bytes for p in projections
+        )
 
     @property
-    def tied(self) -> bool:
-        return self.embed.data_ptr() == self.lm_head.data_ptr()
+    def shares_embedding(self) -> bool:
+        """Whether the embedding is a view of the LM head's memory (tied, plain head)."""
+        return not self.lm_head.packed and self.embed.data_ptr() == self.lm_head.weight.data_ptr()
 
     @classmethod
     def build(
@@ -86,6 +86,9 @@ class ModelWeights:
         def place(tensor: torch.Tensor) -> torch.Tensor:
             return tensor.to(device=device, dtype=dtype).contiguous()
 
+        def project(matrix: torch.Tensor) -> Projection:
+            return Projection.build(matrix, device=device, dtype=dtype)
+
         layers = []
         for i in range(config.num_layers):
             p = f"layers.{i}."
@@ -107,29 +110,24 @@ class ModelWeights:
             layers.append(
                 LayerWeights(
                     attn_norm=place(take(p + "attn_norm", (hidden,))),
-                    # Concatenating transposed views writes `[in, out]` in one copy.
-                    qkv=place(torch.cat([q.t(), k.t(), v.t()], dim=1)),
+                    qkv=project(torch.cat([q, k, v])),
                     qkv_bias=bias,
-                    o=place(take(p + "o", (hidden, config.q_size)).t()),
+                    o=project(take(p + "o", (hidden, config.q_size))),
                     ffn_norm=place(take(p + "ffn_norm", (hidden,))),
-                    gate_up=place(
+                    gate_up=project(
                         torch.cat(
-                            [
-                                take(p + "gate", (inter, hidden)).t(),
-                                take(p + "up", (inter, hidden)).t(),
-                            ],
-                            dim=1,
+                            [take(p + "gate", (inter, hidden)), take(p + "up", (inter, hidden))]
                         )
                     ),
-                    down=place(take(p + "down", (hidden, inter)).t()),
+                    down=project(take(p + "down", (hidden, inter))),
                 )
             )
         embed = take("embed", (vocab, hidden))
-        if config.tie_word_embeddings:
-            lm_head = place(embed.t())
-            embed_view = lm_head.t()
+        head_matrix = embed if config.tie_word_embeddings else take("lm_head", (vocab, hidden))
+        lm_head = project(head_matrix)
+        if config.tie_word_embeddings and not lm_head.packed:
+            embed_view = lm_head.weight.t()
         else:
-            lm_head = place(take("lm_head", (vocab, hidden)).t())
             embed_view = place(embed)
         rope_freqs = tensors.get("rope_freqs")
         if rope_freqs is not None and tuple(rope_freqs.shape) != (config.head_dim // 2,):
@@ -164,6 +162,6 @@ class ModelWeights:
             layers=layers,
             final_norm=self.final_norm.to(device),
             lm_head=lm_head,
-            embed=lm_head.t() if self.tied else self.embed.to(device),
+            embed=lm_head.weight.t() if self.shares_embedding else self.embed.to(device),
             rope_freqs=self.rope_freqs,
         )

@@ -31,7 +31,8 @@ def test_quick_bench_writes_results(tiny_hf_dir: Path, tmp_path: Path) -> None:
     assert "wavecore tok/s" in completed.stdout
     results = json.loads(output.read_text())
     assert [row["batch"] for row in results["decode"]] == [1, 4]
-    assert results["matmul_gflops"] > 0
+    assert results["matmul_gflops"] > 0 and results["stream_gbps"] > 0
+    assert results["wavecore_batch1_bandwidth_fraction"] > 0
     for row in results["decode"]:
         assert row["wavecore_tok_s"] > 0 and row["transformers_forward_tok_s"] > 0
         assert row["wavecore_roof_fraction"] > 0

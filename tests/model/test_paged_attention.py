@@ -6,14 +6,18 @@ prefill chunks (from position 0 and from an offset into cached context) share a 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from wavecore.engine.batch import SequenceChunk
+from wavecore.engine.model import batch_plan
 from wavecore.engine.model.attention import paged_attention
-from wavecore.engine.model.batch_plan import CacheGeometry, plan_forward
+from wavecore.engine.model.batch_plan import CacheGeometry, decode_groups, plan_forward
 from wavecore.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -43,8 +47,13 @@ def random_chunks(rng: random.Random) -> list[tuple[int, int]]:
     return shapes
 
 
+@pytest.mark.parametrize("group_overhead", [batch_plan.GROUP_OVERHEAD_POSITIONS, 0])
 @pytest.mark.parametrize("seed", range(8))
-def test_paged_attention_matches_dense_float64(seed: int) -> None:
+def test_paged_attention_matches_dense_float64(
+    seed: int, group_overhead: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With no group overhead every distinct decode length gets its own group.
+    monkeypatch.setattr(batch_plan, "GROUP_OVERHEAD_POSITIONS", group_overhead)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     shapes = random_chunks(rng)
@@ -101,3 +110,28 @@ def test_paged_attention_matches_dense_float64(seed: int) -> None:
         torch.testing.assert_close(out[rows], expected, atol=1e-12, rtol=1e-12)
         checked += count
     assert checked == plan.num_tokens
+
+
+def partition_cost(lengths: list[int], groups: list[tuple[int, int]]) -> int:
+    return sum(
+        (end - start) * lengths[end - 1] + batch_plan.GROUP_OVERHEAD_POSITIONS
+        for start, end in groups
+    )
+
+
+@given(st.lists(st.integers(1, 2000), min_size=1, max_size=9).map(sorted))
+def test_decode_groups_is_the_cheapest_partition(lengths: list[int]) -> None:
+    groups = decode_groups(lengths)
+    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(groups))
+    cheapest = min(
+        partition_cost(lengths, list(itertools.pairwise((0, *cuts, len(lengths)))))
+        for r in range(len(lengths))
+        for cuts in itertools.combinations(range(1, len(lengths)), r)
+    )
+    assert partition_cost(lengths, groups) == cheapest
+
+
+def test_decode_groups_split_mixed_lengths_and_keep_equal_ones_together() -> None:
+    assert decode_groups([300] * 64) == [(0, 64)]
+    assert decode_groups([16] * 32 + [512] * 32) == [(0, 32), (32, 64)]

@@ -16,7 +16,7 @@ from model_test_helpers import (
 )
 
 from wavecore.engine.batch import ModelBatch, SequenceChunk
-from wavecore.engine.model import load_executor, resolve_model_source
+from wavecore.engine.model import linear, load_executor, resolve_model_source
 from wavecore.engine.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 128, 64, 11, 200, 31, 8, 90, 15, 77, 140, 19, 23]
@@ -48,6 +48,17 @@ def transformers_logits(hf_dir: Path, prompt: list[int]) -> torch.Tensor:
         return model(torch.tensor([prompt])).logits[0, -1]
 
 
+@pytest.fixture(params=["packed", "plain"])
+def projections(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both weight layouts: oneDNN-packed (the CPU default) and plain (as on CUDA)."""
+    if request.param == "plain":
+        monkeypatch.setattr(linear, "can_pack", lambda device, dtype: False)
+    elif not linear.can_pack(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    return request.param
+
+
+@pytest.mark.usefixtures("projections")
 def test_gguf_and_safetensors_match_transformers(tiny_gguf: Path, tiny_hf_dir: Path) -> None:
     reference = transformers_logits(tiny_hf_dir, PROMPT)
     from_gguf = prefill_logits(tiny_gguf, PROMPT)
@@ -56,6 +67,7 @@ def test_gguf_and_safetensors_match_transformers(tiny_gguf: Path, tiny_hf_dir: P
     assert torch.allclose(from_dir, reference, atol=1e-4, rtol=0)
 
 
+@pytest.mark.usefixtures("projections")
 def test_untied_qwen2_with_biases_matches_transformers(tmp_path: Path) -> None:
     spec = TinySpec(architecture="qwen2", tie_word_embeddings=False, rope_theta=1e6)
     state = random_state_dict(spec, seed=3)
