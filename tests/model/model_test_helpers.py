@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from wavecore.engine.batch import Executor, ModelBatch, SampledToken, SequenceChunk
+from wavecore.engine.model import load_executor
 from wavecore.engine.sampling_params import SamplingParams
 
 
@@ -150,8 +151,15 @@ def write_gguf(
     quant: gguf.GGMLQuantizationType | None = None,
     architecture: str | None = None,
     skip: frozenset[str] = frozenset(),
+    raw_blocks: Mapping[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
 ) -> Path:
-    """Write `state` as GGUF; 2-D weights other than the embedding in `quant` if given."""
+    """Write `state` as GGUF; 2-D weights other than the embedding in `quant` if given.
+
+    `raw_blocks` maps GGUF tensor names to already-quantized bytes `[rows, row_bytes]`
+    written as they are, in the file's layout, instead of `state`'s tensor: for types
+    `gguf.quants` can read but not write.
+    """
+    raw_blocks = raw_blocks or {}
     arch = architecture or spec.architecture
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(spec.num_layers)
@@ -168,6 +176,10 @@ def write_gguf(
     for hf, tensor in state.items():
         name = gguf_name(hf)
         if name in skip:
+            continue
+        if name in raw_blocks:
+            blocks, kind = raw_blocks[name]
+            writer.add_tensor(name, blocks, raw_dtype=kind)
             continue
         array = tensor.numpy().astype(np.float32)
         if spec.architecture == "llama" and name.endswith("attn_q.weight"):
@@ -282,3 +294,23 @@ def greedy_alone(executor: Executor, prompt: Sequence[int], max_new_tokens: int)
     request = runner.add(prompt, max_new_tokens)
     runner.run([request])
     return request.output
+
+
+def prefill_logits(model_path: Path, prompt: list[int]) -> torch.Tensor:
+    """Last-position logits of one prefill of `prompt`, on the CPU."""
+    executor = load_executor(
+        str(model_path), device="cpu", kv_cache_memory=2**20, sampler=ArgmaxSampler()
+    )
+    chunk = SequenceChunk(
+        request_id="r",
+        token_ids=prompt,
+        start_pos=0,
+        block_table=list(range(-(-len(prompt) // executor.block_size))),
+        sample=True,
+        sampling=SamplingParams(temperature=0),
+        all_token_ids=prompt,
+        prompt_len=len(prompt),
+    )
+    logits = executor.compute_logits(ModelBatch(chunks=(chunk,)))
+    executor.close()
+    return logits[0]

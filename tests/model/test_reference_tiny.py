@@ -8,37 +8,16 @@ import gguf
 import pytest
 import torch
 from model_test_helpers import (
-    ArgmaxSampler,
     TinySpec,
+    prefill_logits,
     random_state_dict,
     write_gguf,
     write_hf_directory,
 )
 
-from wavecore.engine.batch import ModelBatch, SequenceChunk
-from wavecore.engine.model import linear, load_executor, resolve_model_source
-from wavecore.engine.sampling_params import SamplingParams
+from wavecore.engine.model import linear, resolve_model_source
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 128, 64, 11, 200, 31, 8, 90, 15, 77, 140, 19, 23]
-
-
-def prefill_logits(model_path: Path, prompt: list[int]) -> torch.Tensor:
-    executor = load_executor(
-        str(model_path), device="cpu", kv_cache_memory=2**20, sampler=ArgmaxSampler()
-    )
-    chunk = SequenceChunk(
-        request_id="r",
-        token_ids=prompt,
-        start_pos=0,
-        block_table=list(range(-(-len(prompt) // executor.block_size))),
-        sample=True,
-        sampling=SamplingParams(temperature=0),
-        all_token_ids=prompt,
-        prompt_len=len(prompt),
-    )
-    logits = executor.compute_logits(ModelBatch(chunks=(chunk,)))
-    executor.close()
-    return logits[0]
 
 
 def transformers_logits(hf_dir: Path, prompt: list[int]) -> torch.Tensor:
