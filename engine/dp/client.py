@@ -384,8 +384,6 @@ class DPClient:
         self._die(EngineDeadError(message.error))
 
     def on_process_exit(self, name: str, exitcode: int | None) -> None:
-        if name in self.scaler.retiring:
-            return  # removed by a scale, on purpose
         if not self._closed:
             self._die(EngineDeadError(f"{name} died (exit code {exitcode})"))
 

@@ -14,7 +14,8 @@ Theory of operation:
    client's, a mismatch refused naming every differing field). The whole startup is
    bounded by `startup_timeout`, and the error names the ranks that did not come up.
 3. A watcher thread waits on every process's sentinel; an exit is reported to the
-   owner (`on_exit`) within moments, during startup and after.
+   owner (`on_exit`) within moments, during startup and after, for the processes
+   started here and for those a scale up adds later (`ProcessWatcher.watch`).
 4. On exit the client's senders close first (ranks and coordinator see end of
    stream and leave), every process gets a short grace period, then SIGTERM, then
    SIGKILL, and every one is joined: nothing outlives the block.
@@ -95,6 +96,7 @@ class DPWiring:
     build_core: BuildCore | None = None
     rank_configs: Mapping[int, EngineConfig] = field(default_factory=dict)
     group_prefix: str = ""
+    watcher: ProcessWatcher | None = None
 
 
 class _Addresses:
@@ -218,6 +220,7 @@ async def open_dp_processes(
             wiring.listen = addresses.listen
             wiring.build_core = build_core
             wiring.rank_configs = dict(rank_configs or {})
+            wiring.watcher = watcher
             wiring.addresses["outputs"] = outputs.address
             wiring.addresses["rank_handshake"] = rank_rep.address
             async with anyio.create_task_group() as tg, AsyncExitStack() as late:
@@ -364,10 +367,19 @@ def _config_difference(expected: dict[str, str], ready: m.RankReady) -> str:
 
 
 class ProcessWatcher:
-    """Waits on process sentinels in a worker thread; reports exits on the event loop."""
+    """Waits on process sentinels in a worker thread; reports exits on the event loop.
+
+    It watches the processes `run` starts with and those `watch` adds later (ranks a
+    scale up started); `forget` takes back a process about to be stopped on purpose,
+    whose exit is then no death. Processes are told apart by identity, not name: a
+    later scale up reuses a removed rank's name.
+    """
 
     def __init__(self) -> None:
-        self._stop_reader, self._stop_writer = socket.socketpair()
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._watched: dict[int, tuple[str, BaseProcess]] = {}
+        self._stopping = False
         self.exits: list[tuple[str, int | None]] = []
         self.on_startup_exit: Callable[[str, int | None], None] | None = None
         self.clean = True
@@ -375,25 +387,29 @@ class ProcessWatcher:
 
     async def run(
         self,
-        processes: dict[str, BaseProcess],
+        processes: Mapping[str, BaseProcess],
         on_exit: Callable[[str, int | None], None],
         *,
         task_status: anyio.abc.TaskStatus[None],
     ) -> None:
-        alive = dict(processes)
+        for name, process in processes.items():
+            self._watched[id(process)] = (name, process)
         task_status.started()
-        while alive:
-            handles = {process.sentinel: name for name, process in alive.items()}
+        while not self._stopping:
+            handles = {process.sentinel: key for key, (_, process) in self._watched.items()}
             ready = await anyio.to_thread.run_sync(
                 multiprocessing.connection.wait,
-                [*handles, self._stop_reader],
+                [*handles, self._wake_reader],
                 abandon_on_cancel=True,
             )
-            if self._stop_reader in ready:
-                return
+            if self._wake_reader in ready:
+                with contextlib.suppress(BlockingIOError):
+                    self._wake_reader.recv(4096)
             for handle in ready:
-                name = handles[handle]  # type: ignore[index]
-                process = alive.pop(name)
+                key = handles.get(handle)  # type: ignore[call-overload]
+                if key is None or key not in self._watched:
+                    continue  # the wake-up, or forgotten while the thread waited
+                name, process = self._watched.pop(key)
                 process.join(0)
                 if self.closing:
                     continue
@@ -404,14 +420,28 @@ class ProcessWatcher:
                 else:
                     on_exit(name, process.exitcode)
 
+    def watch(self, name: str, process: BaseProcess) -> None:
+        """Report this started process's exit too, from now on."""
+        self._watched[id(process)] = (name, process)
+        self._wake()
+
+    def forget(self, process: BaseProcess) -> None:
+        """Stop watching `process` (it is being stopped on purpose)."""
+        self._watched.pop(id(process), None)
+        self._wake()
+
     def stop(self) -> None:
-        """Wake the waiting thread so `run` returns."""
+        """Have `run` return."""
+        self._stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
         with contextlib.suppress(OSError):
-            self._stop_writer.send(b"x")
+            self._wake_writer.send(b"x")
 
     def close(self) -> None:
-        self._stop_reader.close()
-        self._stop_writer.close()
+        self._wake_reader.close()
+        self._wake_writer.close()
 
 
 async def _reap(processes: dict[str, BaseProcess], *, grace: float) -> None:

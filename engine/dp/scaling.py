@@ -94,8 +94,6 @@ class Scaler:
         self._client = client
         self._machine = ScalingMachine(ScaleRole.EXISTING)
         self._generation = 0
-        # Processes that exit on purpose (removed or rolled back): not a death.
-        self.retiring: set[str] = set()
         self._hosts: anyio.abc.TaskGroup | None = None
         self._sender_closed: dict[int, anyio.Event] = {}
         self._ends_token = 0
@@ -144,7 +142,6 @@ class Scaler:
         wiring = client.wiring
         names = [process_name(rank) for rank in range(old, new)]
         senders: list[MessageSender] = []
-        self.retiring.difference_update(names)
         try:
             await self._start_ranks(old, new, senders)
         except BaseException as raised:
@@ -156,6 +153,10 @@ class Scaler:
                     f"(still {old} ranks): {error}"
                 ) from error
             raise error from None
+        if wiring.watcher is not None:
+            # From here on a new rank's death is the engine's, as for the first ranks.
+            for name in names:
+                wiring.watcher.watch(name, wiring.processes[name])
         self._machine.handle(GroupPrepared())
         await client.pause(PauseMode.KEEP)
         client.user_paused = False  # the scale's own pause, undone below
@@ -353,7 +354,11 @@ class Scaler:
         """Close these ranks' inputs (they leave their loops and exit); reap them."""
         wiring = self._client.wiring
         processes: dict[str, BaseProcess] = wiring.processes
-        self.retiring.update(names)
+        if wiring.watcher is not None:
+            # They exit on purpose (removed, or rolled back): not a death.
+            for name in names:
+                if name in processes:
+                    wiring.watcher.forget(processes[name])
         unpaid = [name for name in names if name not in self._prepaid]
         await self._expect_ends(len(unpaid))
         self._prepaid.difference_update(names)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from wavecore.engine.config import EngineConfig
 from wavecore.engine.core import EngineCore
 from wavecore.engine.dp.client import DPClient, open_dp_engine
 from wavecore.engine.errors import (
+    EngineDeadError,
     InvalidRequestError,
     ScalingFailedError,
     ScalingInProgressError,
@@ -110,6 +112,26 @@ async def test_scale_walk_under_load_loses_nothing_and_balances_over_new_ranks()
             stats = await engine.stats()
             assert [r.rank for r in stats.ranks] == [0, 1]
             assert sum(r.engine.num_running + r.engine.num_waiting for r in stats.ranks) == 0
+
+
+async def test_a_rank_added_by_a_scale_is_watched_like_the_first_ones() -> None:
+    """Removing rank 1 is no death; the rank 1 a later scale up starts is watched, and
+    killing it fails its request and every later call, as for a first rank.
+    Independent mode: no collective in which rank 0 would notice the death first."""
+    with anyio.fail_after(HANG_GUARD):
+        async with open_dp_engine(null_config(dp_size=2, dp_mode="independent")) as engine:
+            await engine.scale(1)
+            await engine.scale(2)
+            deltas = await collect(engine, "before", SamplingParams(max_tokens=5), dp_rank=1)
+            assert tokens_of(deltas) == expected_tokens("before", 5)
+            stream = engine.generate("endless", SamplingParams(max_tokens=10**6), dp_rank=1)
+            await stream.__anext__()
+            os.kill(engine.wiring.processes["rank 1"].pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="rank 1 died"):
+                async for _ in stream:
+                    pass
+            with pytest.raises(EngineDeadError, match="rank 1 died"):
+                await engine.stats()
 
 
 @pytest.fixture(scope="module")
