@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 TAG_BATCH = 30000
 TAG_END_OF_STREAM = 30002
+TAG_STREAM_BARRIER = 30003
 TAG_HELLO = 30010
 TAG_WELCOME = 30011
 
@@ -20,6 +21,12 @@ TAG_WELCOME = 30011
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EndOfStream:
     """Sent by a closing sender after its last message; the receiver then ends its stream."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamBarrier:
+    """Sent twice after a PUSH sender's `EndOfStream`: once nng accepts the second, the
+    marker is on the wire. Receivers skip it, so each sender ends exactly once."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,5 +55,6 @@ class Welcome:
 
 def register_builtins(registry: MessageRegistry) -> None:
     registry.register_reserved(EndOfStream, tag=TAG_END_OF_STREAM)
+    registry.register_reserved(StreamBarrier, tag=TAG_STREAM_BARRIER)
     registry.register_reserved(Hello, tag=TAG_HELLO)
     registry.register_reserved(Welcome, tag=TAG_WELCOME)

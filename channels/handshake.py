@@ -17,7 +17,8 @@ from .builtin_messages import Hello, Welcome
 from .errors import DecodeError, HandshakeError
 
 # 2: long `tuple[int, ...]` / `list[int]` fields travel as typed arrays (see `writer`).
-WIRE_VERSION = 2
+# 3: a closing PUSH sender's barrier frames are `StreamBarrier`, not more end markers.
+WIRE_VERSION = 3
 
 
 def config_hash(config: Any) -> str:

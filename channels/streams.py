@@ -39,7 +39,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from .builtin_messages import EndOfStream
+from .builtin_messages import EndOfStream, StreamBarrier
 from .codec import Codec
 from .errors import DecodeError, MessageTooLargeError
 from .nng_io import NngIO
@@ -73,6 +73,13 @@ class _FrameReader:
         self._ready: deque[tuple[str, Any]] = deque()
         self._since_yield = 0
         self.frames_received = 0
+
+    def expect_more_ends(self, count: int) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        if not self._ends_left:
+            raise ValueError("the stream already ended; it cannot expect more senders")
+        self._ends_left += count
 
     async def receive(self) -> tuple[str, Any]:
         while True:
@@ -118,6 +125,8 @@ class _FrameReader:
                 raise DecodeError("PUB frame topic is not UTF-8") from None
             frame = frame[cut + 1 :]
         for item in self._codec.decode_frame(frame):
+            if type(item) is StreamBarrier:
+                continue
             if type(item) is EndOfStream:
                 self._ends_left -= 1
                 if not self._ends_left:
@@ -251,14 +260,14 @@ class MessageSender(anyio.abc.ObjectSendStream[Any]):
             return
         await self.flush()
         self._eof_sent = True
-        end = self.codec.encode(EndOfStream())
-        await self._send_now("", end)
+        await self._send_now("", self.codec.encode(EndOfStream()))
         if not self._topics:
             # A PUSH pipe takes a frame only once it has written the previous one, and nng
             # queues one frame (send_buffer_size=1): once the second barrier is accepted,
-            # the marker is on the wire. (Receivers ignore frames after the marker.)
-            await self._send_now("", end)
-            await self._send_now("", end)
+            # the marker is on the wire. Receivers skip barriers.
+            barrier = self.codec.encode(StreamBarrier())
+            await self._send_now("", barrier)
+            await self._send_now("", barrier)
 
     async def aclose(self) -> None:
         if self._io.closed:
@@ -303,6 +312,14 @@ class MessageReceiver(anyio.abc.ObjectReceiveStream[Any]):
     def frames_received(self) -> int:
         """Frames taken off the socket so far (batching makes this far below messages)."""
         return self._reader.frames_received
+
+    def expect_more_end_of_streams(self, count: int) -> None:
+        """Expect `count` more senders to end before this stream ends.
+
+        For senders that join a live stream, or that leave it early while others stay:
+        raise the count before their end markers can arrive. Refused once it ended.
+        """
+        self._reader.expect_more_ends(count)
 
     async def receive(self) -> Any:
         return (await self._reader.receive())[1]

@@ -24,7 +24,6 @@ import anyio
 from wavecore.channels import MessageSender, open_pub, open_pull, open_req
 from wavecore.engine.dp import messages as m
 from wavecore.engine.dp.invalid_frames import InvalidFrameLog
-from wavecore.engine.dp.stream_ends import expect_more_ends
 from wavecore.statemachines.coordinator import (
     BroadcastStartWave,
     CoordinatorMachine,
@@ -86,7 +85,7 @@ async def _run_coordinator(handshake_address: str, dp_size: int, listen_base: st
             try:
                 async for message in inputs:
                     if isinstance(message, m.ExpectEnds):
-                        expect_more_ends(inputs, message.markers)  # ranks a scale removes
+                        inputs.expect_more_end_of_streams(message.markers)  # ranks a scale adds
                         answer = m.EndsExpected(token=message.token)
                         await pub.publish(m.SCALE_TOPIC, answer)
                     else:

@@ -302,8 +302,8 @@ class CoordinatorResize:
 @_message(30642)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExpectEnds:
-    """Ranks are about to leave: `markers` more end-of-stream markers will arrive. The
-    coordinator answers with `EndsExpected(token)` on SCALE_TOPIC."""
+    """Ranks are about to join: `markers` more senders will each end their stream
+    once. The coordinator answers with `EndsExpected(token)` on SCALE_TOPIC."""
 
     markers: int
     token: int

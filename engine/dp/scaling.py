@@ -61,7 +61,6 @@ from wavecore.engine.dp.launcher import (
     process_name,
 )
 from wavecore.engine.dp.rank_process import describe_config, rank_main
-from wavecore.engine.dp.stream_ends import MARKERS_PER_SENDER, expect_more_ends
 from wavecore.engine.errors import (
     EngineError,
     ScalingFailedError,
@@ -97,8 +96,6 @@ class Scaler:
         self._hosts: anyio.abc.TaskGroup | None = None
         self._sender_closed: dict[int, anyio.Event] = {}
         self._ends_token = 0
-        # Ranks whose end-of-stream markers the receivers already expect.
-        self._prepaid: set[str] = set()
         self._ends_expected = anyio.Event()
 
     @property
@@ -180,9 +177,7 @@ class Scaler:
             raise ScalingRefusedError("this engine's ranks were not started here; cannot scale")
         self._generation += 1
         count = new - old
-        # Paid now, for a rollback or their later removal (see `_expect_ends`).
         await self._expect_ends(count)
-        self._prepaid.update(process_name(rank) for rank in range(old, new))
         for rank in range(old, new):
             address = wiring.listen(f"rank{rank}-in-g{self._generation}")
             senders.append(await self._open_sender(address))
@@ -263,16 +258,16 @@ class Scaler:
             await anyio.sleep_forever()
 
     async def _expect_ends(self, ranks: int) -> None:
-        """`ranks` more ranks may end their output and coordinator streams while the
-        engine serves: both receivers must count their markers before they arrive."""
-        if not ranks:
-            return
+        """`ranks` more senders join the client's output stream and the coordinator's
+        input: each receiver ends once every sender sent its one end marker, so both
+        must count the newcomers before any of them can end (even a rolled-back one).
+        A rank that leaves early sends the marker it was counted for; one that dies
+        sends none, and the launcher's shutdown grace and reaping bound that wait."""
         wiring = self._client.wiring
-        markers = MARKERS_PER_SENDER * ranks
-        expect_more_ends(wiring.outputs, markers)
+        wiring.outputs.expect_more_end_of_streams(ranks)
         self._ends_token += 1
         self._ends_expected = anyio.Event()
-        await wiring.to_coordinator.send(m.ExpectEnds(markers=markers, token=self._ends_token))
+        await wiring.to_coordinator.send(m.ExpectEnds(markers=ranks, token=self._ends_token))
         with anyio.fail_after(self._client.config.startup_timeout):
             await self._ends_expected.wait()
 
@@ -359,9 +354,6 @@ class Scaler:
             for name in names:
                 if name in processes:
                     wiring.watcher.forget(processes[name])
-        unpaid = [name for name in names if name not in self._prepaid]
-        await self._expect_ends(len(unpaid))
-        self._prepaid.difference_update(names)
         with anyio.CancelScope(shield=True):
             for sender in senders:
                 await sender.aclose()

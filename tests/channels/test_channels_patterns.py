@@ -168,3 +168,28 @@ async def test_cancelling_receive_inside_a_batch_loses_nothing() -> None:
     assert 10 <= stopped_at < count
     assert received == list(range(count))
     assert rx.frames_received == 1
+
+
+@pytest.mark.anyio
+async def test_a_receiver_can_expect_a_sender_that_joins_later() -> None:
+    received: list[Stat] = []
+
+    async def drain(rx: object) -> None:
+        async for message in rx:  # type: ignore[attr-defined]
+            received.append(message)
+
+    async with open_pull(listen="inproc://expect-more", codec=codec) as rx:
+        with pytest.raises(ValueError, match="count must be an int >= 0"):
+            rx.expect_more_end_of_streams(-1)
+        rx.expect_more_end_of_streams(1)
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(drain, rx)
+                async with open_push(dial=rx.address, codec=codec) as first:
+                    await first.send(Stat(value=1))
+                # The first sender's end is not the stream's: a second one was announced.
+                async with open_push(dial=rx.address, codec=codec) as second:
+                    await second.send(Stat(value=2))
+        with pytest.raises(ValueError, match="already ended"):
+            rx.expect_more_end_of_streams(1)
+    assert received == [Stat(value=1), Stat(value=2)]
