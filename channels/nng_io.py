@@ -21,11 +21,14 @@ import contextlib
 import os
 import socket as stdlib_socket
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
 import pynng
+
+T = TypeVar("T")
 
 
 class PipeWatch:
@@ -71,17 +74,31 @@ class PipeWatch:
         os.close(self._write_fd)
 
 
+class _Direction:
+    """One direction of a socket: its pollable descriptor, fetched once, and whether a
+    task is using it (nng would interleave two tasks' frames)."""
+
+    def __init__(self, name: str, descriptor: Callable[[], int]) -> None:
+        self.name = name
+        self._descriptor = descriptor
+        self.fd: int | None = None
+        self.busy = False
+
+    def wait_fd(self) -> int:
+        if self.fd is None:
+            self.fd = self._descriptor()
+        return self.fd
+
+
 class NngIO:
     """Non-blocking send/receive of whole frames on one pynng socket."""
 
     def __init__(self, socket: pynng.Socket) -> None:
         self.socket = socket
         self.pipes = PipeWatch(socket)
-        self._send_fd: int | None = None
-        self._recv_fd: int | None = None
+        self._send = _Direction("sending", lambda: socket.send_fd)
+        self._recv = _Direction("receiving", lambda: socket.recv_fd)
         self._closed = False
-        self._receiving = False
-        self._sending = False
 
     @property
     def closed(self) -> bool:
@@ -92,43 +109,24 @@ class NngIO:
             raise anyio.ClosedResourceError
 
     async def send(self, frame: bytes) -> None:
-        self._check_open()
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        if self._sending:
-            raise anyio.BusyResourceError("sending")
-        self._sending = True
-        try:
-            while True:
-                try:
-                    self.socket.send(frame, block=False)
-                    return
-                except pynng.TryAgain:
-                    if self._send_fd is None:
-                        self._send_fd = self.socket.send_fd
-                    await anyio.wait_readable(self._send_fd)
-                except pynng.NNGException as error:
-                    raise self._translate(error) from error
-        except anyio.ClosedResourceError:
-            raise
-        except OSError as error:
-            raise self._closed_or_broken(error) from error
-        finally:
-            self._sending = False
+        await self._until_done(self._send, lambda: self.socket.send(frame, block=False))
 
     async def receive(self) -> bytes:
+        return await self._until_done(self._recv, lambda: self.socket.recv(block=False))
+
+    async def _until_done(self, direction: _Direction, attempt: Callable[[], T]) -> T:
+        """Try `attempt` (a non-blocking nng call) until it stops saying `TryAgain`."""
         self._check_open()
         await anyio.lowlevel.checkpoint_if_cancelled()
-        if self._receiving:
-            raise anyio.BusyResourceError("receiving")
-        self._receiving = True
+        if direction.busy:
+            raise anyio.BusyResourceError(direction.name)
+        direction.busy = True
         try:
             while True:
                 try:
-                    return self.socket.recv(block=False)
+                    return attempt()
                 except pynng.TryAgain:
-                    if self._recv_fd is None:
-                        self._recv_fd = self.socket.recv_fd
-                    await anyio.wait_readable(self._recv_fd)
+                    await anyio.wait_readable(direction.wait_fd())
                 except pynng.NNGException as error:
                     raise self._translate(error) from error
         except anyio.ClosedResourceError:
@@ -136,7 +134,7 @@ class NngIO:
         except OSError as error:
             raise self._closed_or_broken(error) from error
         finally:
-            self._receiving = False
+            direction.busy = False
 
     def _translate(self, error: pynng.NNGException) -> Exception:
         if isinstance(error, pynng.Closed) or self._closed:
@@ -152,9 +150,9 @@ class NngIO:
         if self._closed:
             return
         self._closed = True
-        for fd in (self._send_fd, self._recv_fd):
-            if fd is not None:
-                anyio.notify_closing(fd)
+        for direction in (self._send, self._recv):
+            if direction.fd is not None:
+                anyio.notify_closing(direction.fd)
         self.socket.close()
         self.pipes.close()
 
