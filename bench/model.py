@@ -27,6 +27,7 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,24 +41,25 @@ RESULTS = Path(__file__).resolve().parent / "results"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4096)
 
 
-def matmul_gflops(size: int, repeats: int) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
+def seconds_per_call(call: Callable[[], object], repeats: int) -> float:
+    """Mean wall time of `call()` over `repeats` calls, after one untimed warm-up."""
+    call()
     start = time.perf_counter()
     for _ in range(repeats):
-        a @ b
-    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
+        call()
+    return (time.perf_counter() - start) / repeats
+
+
+def matmul_gflops(size: int, repeats: int) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    return 2 * size**3 / seconds_per_call(lambda: a @ b, repeats) / 1e9
 
 
 def stream_gbps(mib: int, repeats: int) -> float:
     """GB/s at which a vector-matrix product reads a `mib` MiB float32 matrix."""
     matrix = torch.randn(mib * 2**20 // 4 // 1024, 1024)
     vector = torch.randn(1, matrix.shape[0])
-    vector @ matrix
-    start = time.perf_counter()
-    for _ in range(repeats):
-        vector @ matrix
-    return matrix.numel() * 4 * repeats / (time.perf_counter() - start) / 1e9
+    return matrix.numel() * 4 / seconds_per_call(lambda: vector @ matrix, repeats) / 1e9
 
 
 def make_prompts(count: int, length: int, vocab: int) -> list[list[int]]:

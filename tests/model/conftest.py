@@ -21,7 +21,23 @@ from model_test_helpers import (
     write_hf_directory,
 )
 
-from wavecore.engine.model import ModelExecutor, ModelLoadError, default_model_path, load_executor
+from wavecore.engine.model import (
+    ModelExecutor,
+    ModelLoadError,
+    default_model_path,
+    linear,
+    load_executor,
+)
+
+
+@pytest.fixture(params=["packed", "plain"])
+def projections(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both weight layouts: oneDNN-packed (the CPU default) and plain (as on CUDA)."""
+    if request.param == "plain":
+        monkeypatch.setattr(linear, "can_pack", lambda device, dtype: False)
+    elif not linear.can_pack(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -106,7 +106,7 @@ def write_hf_directory(directory: Path, spec: TinySpec, state: dict[str, torch.T
     return directory
 
 
-def _converter_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+def converter_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     # llama.cpp's convert script: rows of each head go from halves to interleaved pairs.
     return (
         weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
@@ -183,9 +183,9 @@ def write_gguf(
             continue
         array = tensor.numpy().astype(np.float32)
         if spec.architecture == "llama" and name.endswith("attn_q.weight"):
-            array = _converter_permute(array, spec.num_heads)
+            array = converter_permute(array, spec.num_heads)
         elif spec.architecture == "llama" and name.endswith("attn_k.weight"):
-            array = _converter_permute(array, spec.num_kv_heads)
+            array = converter_permute(array, spec.num_kv_heads)
         if quant is not None and array.ndim == 2 and name != "token_embd.weight":
             writer.add_tensor(name, gguf.quants.quantize(array, quant), raw_dtype=quant)
         else:

@@ -13,7 +13,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from model_test_helpers import TinySpec, prefill_logits, random_state_dict, write_gguf
+from model_test_helpers import (
+    TinySpec,
+    converter_permute,
+    prefill_logits,
+    random_state_dict,
+    write_gguf,
+)
 
 from wavecore.engine.model import resolve_model_source
 
@@ -32,13 +38,6 @@ def random_blocks(kind: Q, rows: int, columns: int, seed: int) -> np.ndarray:
     else:
         blocks[..., :4] = np.tile(scale, 2)  # d and dmin lead the block
     return blocks.reshape(rows, -1)
-
-
-def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
-    """Inverse of llama.cpp's converter permutation of q/k rows."""
-    return (
-        rows.reshape(heads, rows.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(rows.shape)
-    )
 
 
 @pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda k: k.name)
@@ -62,8 +61,10 @@ def test_k_quant_blocks_load_as_gguf_decodes_them(tmp_path: Path, kind: Q) -> No
     assert np.isfinite(decoded["blk.0.ffn_down.weight"]).all()
     assert np.array_equal(tensors["layers.0.down"].numpy(), decoded["blk.0.ffn_down.weight"])
     assert np.array_equal(tensors["layers.0.gate"].numpy(), decoded["blk.0.ffn_gate.weight"])
+    # The file holds q as a converter permuted it: loading must undo exactly that.
     assert np.array_equal(
-        tensors["layers.0.q"].numpy(), unpermute(decoded["blk.0.attn_q.weight"], SPEC.num_heads)
+        converter_permute(tensors["layers.0.q"].numpy(), SPEC.num_heads),
+        decoded["blk.0.attn_q.weight"],
     )
 
     assert torch.isfinite(prefill_logits(path, [5, 17, 99, 3, 250, 42])).all()

@@ -5,28 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wavecore.engine.model import linear
 from wavecore.engine.model.linear import Projection
 
 CPU = torch.device("cpu")
 
 
-def build(matrix: torch.Tensor, packed: bool, monkeypatch: pytest.MonkeyPatch) -> Projection:
-    if not packed:
-        monkeypatch.setattr(linear, "can_pack", lambda device, dtype: False)
-    elif not linear.can_pack(CPU, torch.float32):
-        pytest.skip("this torch build has no oneDNN")
+def build(matrix: torch.Tensor, layout: str) -> Projection:
+    """`layout` is the `projections` fixture's value, which set the layout up."""
     projection = Projection.build(matrix, device=CPU, dtype=torch.float32)
-    assert projection.packed is packed
+    assert projection.packed is (layout == "packed")
     return projection
 
 
-@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_products_match_float64(packed: bool, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_products_match_float64(projections: str, rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     matrix = torch.randn(48, 40, generator=gen)  # [out, in]
-    projection = build(matrix, packed, monkeypatch)
+    projection = build(matrix, projections)
     # A strided slice, as the forward pass hands over the gate half of gate_up.
     x = torch.randn(rows, 80, generator=gen)[:, :40]
     residual = torch.randn(rows, 48, generator=gen)
@@ -40,14 +35,15 @@ def test_products_match_float64(packed: bool, rows: int, monkeypatch: pytest.Mon
     assert projection.num_bytes == 40 * 48 * 4
 
 
-def test_packed_projection_stays_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    projection = build(torch.randn(8, 4), True, monkeypatch)
+@pytest.mark.parametrize("projections", ["packed"], indirect=True)
+def test_packed_projection_stays_on_the_cpu(projections: str) -> None:
+    projection = build(torch.randn(8, 4), projections)
     assert projection.to(CPU) is projection
     with pytest.raises(ValueError, match="cannot move to meta"):
         projection.to(torch.device("meta"))
 
 
-def test_plain_projection_moves(monkeypatch: pytest.MonkeyPatch) -> None:
-    matrix = torch.randn(8, 4)
-    moved = build(matrix, False, monkeypatch).to(torch.device("meta"))
+@pytest.mark.parametrize("projections", ["plain"], indirect=True)
+def test_plain_projection_moves(projections: str) -> None:
+    moved = build(torch.randn(8, 4), projections).to(torch.device("meta"))
     assert moved.weight.device.type == "meta" and moved.weight.shape == (4, 8)

@@ -15,7 +15,7 @@ from model_test_helpers import (
     write_hf_directory,
 )
 
-from wavecore.engine.model import linear, resolve_model_source
+from wavecore.engine.model import resolve_model_source
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 128, 64, 11, 200, 31, 8, 90, 15, 77, 140, 19, 23]
 
@@ -25,16 +25,6 @@ def transformers_logits(hf_dir: Path, prompt: list[int]) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     with torch.inference_mode():
         return model(torch.tensor([prompt])).logits[0, -1]
-
-
-@pytest.fixture(params=["packed", "plain"])
-def projections(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both weight layouts: oneDNN-packed (the CPU default) and plain (as on CUDA)."""
-    if request.param == "plain":
-        monkeypatch.setattr(linear, "can_pack", lambda device, dtype: False)
-    elif not linear.can_pack(torch.device("cpu"), torch.float32):
-        pytest.skip("this torch build has no oneDNN")
-    return request.param
 
 
 @pytest.mark.usefixtures("projections")
