@@ -31,8 +31,8 @@ from typing import Any
 
 import anyio
 
+from wavecore.engine.api import Engine, open_dp_engine
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.dp.client import DPClient, open_dp_engine
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.statemachines.rank import PauseMode
 
@@ -54,7 +54,7 @@ def _config(dp_size: int, mode: str, max_num_seqs: int) -> EngineConfig:
     )
 
 
-async def _throughput(engine: DPClient, requests: int, max_tokens: int) -> dict[str, float]:
+async def _throughput(engine: Engine, requests: int, max_tokens: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     received = 0
 
@@ -76,7 +76,7 @@ async def _throughput(engine: DPClient, requests: int, max_tokens: int) -> dict[
     }
 
 
-async def _pause_latency(engine: DPClient, repeats: int) -> dict[str, float]:
+async def _pause_latency(engine: Engine, repeats: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=1_000_000, ignore_eos=True)
     millis: list[float] = []
     steps: list[int] = []
@@ -84,7 +84,7 @@ async def _pause_latency(engine: DPClient, repeats: int) -> dict[str, float]:
         async with anyio.create_task_group() as tg:
             for rank in range(engine.dp_size):
                 tg.start_soon(_drain, engine.generate("pause me", params, dp_rank=rank))
-            while sum(r.engine.num_running for r in (await engine.stats()).ranks) < engine.dp_size:
+            while sum(r.core.num_running for r in (await engine.stats()).ranks) < engine.dp_size:
                 pass
             start = time.perf_counter()
             await engine.pause(PauseMode.KEEP)

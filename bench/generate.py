@@ -27,9 +27,9 @@ from typing import Any
 
 import anyio
 
-from wavecore.engine.async_engine import open_engine
+from wavecore.engine.api import open_engine
+from wavecore.engine.cli.latency import RequestTimer, RunSummary
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.latency import RequestTimer, RunSummary
 from wavecore.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from wavecore.engine.batch import ModelBatch, SequenceChunk
+from wavecore.engine.executors.batch import ModelBatch, SequenceChunk
 from wavecore.engine.model import ModelExecutor, load_executor
 from wavecore.engine.sampling_params import SamplingParams
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import anyio
 
+from wavecore.engine.api import Engine, open_dp_engine
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.dp.client import DPClient, open_dp_engine
 from wavecore.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scale.json"
@@ -40,7 +40,7 @@ BIN_S = 1.0
 class Load:
     """Steady request stream; records (time, tokens) of every delta."""
 
-    def __init__(self, engine: DPClient, workers: int, max_tokens: int) -> None:
+    def __init__(self, engine: Engine, workers: int, max_tokens: int) -> None:
         self.engine = engine
         self.workers = workers
         self.max_tokens = max_tokens

@@ -26,8 +26,8 @@ import pstats
 import time
 from pathlib import Path
 
-from wavecore.engine.batch import SampledToken, SequenceChunk
-from wavecore.engine.null_executor import NullExecutor
+from wavecore.engine.executors.batch import SampledToken, SequenceChunk
+from wavecore.engine.executors.null_executor import NullExecutor
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 

@@ -1,15 +1,13 @@
 """The messages `wavecore.channels` itself sends: end of stream and the handshake.
 
-They live in the reserved tag range and are registered into every `MessageRegistry`.
+They live in the reserved tag range; every `MessageRegistry` registers `BUILTIN_MESSAGES`
+when it is created. This module only declares them and imports nothing of this package,
+so the registry can depend on it and not the other way round.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .registry import MessageRegistry
 
 TAG_BATCH = 30000
 TAG_END_OF_STREAM = 30002
@@ -53,8 +51,10 @@ class Welcome:
     reason: str
 
 
-def register_builtins(registry: MessageRegistry) -> None:
-    registry.register_reserved(EndOfStream, tag=TAG_END_OF_STREAM)
-    registry.register_reserved(StreamBarrier, tag=TAG_STREAM_BARRIER)
-    registry.register_reserved(Hello, tag=TAG_HELLO)
-    registry.register_reserved(Welcome, tag=TAG_WELCOME)
+# Each built-in class with its reserved tag, in registration order.
+BUILTIN_MESSAGES: tuple[tuple[type, int], ...] = (
+    (EndOfStream, TAG_END_OF_STREAM),
+    (StreamBarrier, TAG_STREAM_BARRIER),
+    (Hello, TAG_HELLO),
+    (Welcome, TAG_WELCOME),
+)

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import cbor2
 
+from .builtin_messages import BUILTIN_MESSAGES
 from .errors import DecodeError, RegistrationError
 from .fields import FieldCheck, Rejected, compile_check, exact_type, field_kind
 from .writer import CborWriter
@@ -76,9 +77,8 @@ class MessageRegistry:
         self.encoders: dict[type, Callable[[Any, Any], None]] = {}
         self.writer = CborWriter()
         self.decoders: dict[int, MessageDecoder] = {}
-        from . import builtin_messages
-
-        builtin_messages.register_builtins(self)
+        for cls, tag in BUILTIN_MESSAGES:
+            self.register_reserved(cls, tag=tag)
 
     def register(self, cls: type[T] | None = None, *, tag: int) -> Any:
         """Register `cls` under `tag` (30100-31999); usable as a decorator."""

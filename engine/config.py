@@ -22,9 +22,10 @@ class EngineConfig:
     a fraction in (0, 1] of the memory available on the device.
 
     `dp_size > 1` runs that many engine ranks in processes of their own behind one
-    client. `dp_mode="lockstep"` makes them step together in waves (dummy batches,
+    front end. `dp_mode="lockstep"` makes them step together in waves (dummy batches,
     an all-reduce on step 1 of a wave and every `sync_interval` steps), as models whose
-    ranks share collectives need; `"independent"` lets each rank run alone.
+    ranks share collectives need; `"independent"` lets each rank run alone. A single
+    rank in this process has no peers to step with: it always runs independently.
     `transport` is how the processes talk (`ipc` sockets, or `tcp` on loopback);
     `startup_timeout` bounds the wait for every rank to load and report ready.
     """

@@ -57,3 +57,7 @@ class ScalingFailedError(EngineError):
 
 class ScalingRefusedError(EngineError):
     """`scale` was refused before anything changed (bad size, or the engine is paused)."""
+
+
+class RankCallError(EngineError):
+    """A call was refused by one or more ranks; the message names them and why."""

@@ -16,8 +16,10 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
       otherwise start the next iteration at once.
 
    ``ResumeBarrier`` asks for the barrier all-reduce of the resume; feed its result as
-   ``ResumeSynced``. While a collective is outstanding (phases SYNCING and BARRIER) the
-   machine takes nothing but its result: inputs wait in the loop's queue.
+   ``ResumeSynced``. While a collective is outstanding (phases SYNCING, BARRIER and
+   SWITCHING) the machine takes nothing but its result: inputs wait in the loop's
+   queue. ``rank_loop.RankLoop`` is that loop, written once for the engine and the
+   simulation.
 2. Lockstep mode: while a wave runs every iteration issues exactly one forward (a real
    step, else ``RunDummyBatch``), ``step_counter`` counts them, and the rank syncs on
    step 1 of a wave and every ``sync_interval`` steps. Only an all-reduce stops a wave.
@@ -43,13 +45,19 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
    duplicate resume never sends one rank into the barrier alone); resume while paused
    clears the pause and ``ignore_start_wave`` and asks for the barrier, after which the
    ranks run if any of them holds work (rank 0 announces that wave).
-10. Sleep pauses first (KEEP for level 0, ABORT for levels that drop the KV cache),
-    then ``EnterSleep``. ``WakeUpRequested`` wakes the given parts; the rank resumes
-    (rule 9) only when nothing is asleep any more. Resume while asleep is refused.
-11. ``Reconfigured`` (elastic scaling) is taken only while paused and idle: the rank
-    adopts its new rank, group size, and the group's max of wave and step counter. A
-    rank built ``joining`` (scale up) starts paused (KEEP) with ``ignore_start_wave``;
-    no action says so, so its loop must start its scheduler paused (KEEP) too.
+10. Sleep pauses first, in the sleep's mode (ABORT drops the requests in flight, WAIT
+    lets them finish, KEEP freezes them; requests kept across a sleep that drops the
+    KV cache are recomputed on wake), then ``EnterSleep``: level 0 puts "scheduling"
+    to sleep, levels 1 and 2 "weights", "kv_cache" and "scheduling". A sleep while
+    paused sleeps at once (an ABORT one drops the requests the pause kept).
+    ``WakeUpRequested`` wakes the given parts; the rank resumes (rule 9) only when
+    nothing is asleep any more. Resume while asleep is refused.
+11. Elastic scaling: ``SwitchRequested`` is taken only while paused and idle; the rank
+    answers ``JoinGroup`` (a collective over the new group, phase SWITCHING) and takes
+    its result as ``Reconfigured``: its new group size and the group's max of
+    (running, wave, step_counter), then ``GroupSwitched``. A rank built ``joining``
+    (scale up) starts paused (KEEP) with ``ignore_start_wave``, and
+    ``initial_actions()`` freezes its scheduler before the loop takes any input.
 12. ``SyncDone`` may carry the spans (min, max) of the participants' wave and step
     counter; any difference raises ``LockstepDriftError`` instead of hanging later.
 """
@@ -80,6 +88,7 @@ class RankPhase(Enum):
     RUNNING = "running"
     SYNCING = "syncing"
     BARRIER = "barrier"
+    SWITCHING = "switching"
 
 
 SLEEP_TAGS = frozenset({"weights", "kv_cache", "scheduling"})
@@ -101,6 +110,9 @@ def _check_non_negative(owner: object, **values: int) -> None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RequestArrived:
+    """A request was added to this rank's scheduler (stamped with the client's wave)."""
+
+    request_id: str
     wave: int
 
     def __post_init__(self) -> None:
@@ -150,7 +162,10 @@ class ResumeSynced:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SleepRequested:
+    """Pause in ``mode`` (what happens to requests in flight), then sleep ``level``."""
+
     level: int
+    mode: PauseMode = PauseMode.ABORT
 
     def __post_init__(self) -> None:
         if self.level not in (0, 1, 2):
@@ -167,6 +182,17 @@ class WakeUpRequested:
         if self.tags is not None and not self.tags <= SLEEP_TAGS:
             unknown = sorted(self.tags - SLEEP_TAGS)
             raise ValueError(f"WakeUpRequested.tags: unknown {unknown}; known {sorted(SLEEP_TAGS)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SwitchRequested:
+    """A scale's commit: join the new DP group of ``dp_size`` ranks."""
+
+    dp_size: int
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"SwitchRequested.dp_size must be >= 1, got {self.dp_size}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -241,7 +267,26 @@ class ResumeScheduler:
 class RequestHeld:
     """Tell the client its request waits (``reason`` is "paused" or "asleep")."""
 
+    request_ids: tuple[str, ...]
     reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinGroup:
+    """Join the new group and all-reduce the max of (running, wave, step_counter) over
+    it; feed the result as ``Reconfigured``."""
+
+    dp_size: int
+    running: bool
+    wave: int
+    step_counter: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupSwitched:
+    """The switch is done: answer the commit."""
+
+    dp_size: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -279,7 +324,7 @@ class RankSnapshot:
     sleep_level: int | None = None
 
 
-_IDLE, _RUNNING, _SYNCING, _BARRIER = RankPhase
+_IDLE, _RUNNING, _SYNCING, _BARRIER, _SWITCHING = RankPhase
 
 
 def _rows() -> dict[tuple[RankPhase, type], Transition]:
@@ -294,7 +339,7 @@ def _rows() -> dict[tuple[RankPhase, type], Transition]:
         (_IDLE, SleepRequested): row("on_sleep", _IDLE, _RUNNING),
         (_IDLE, ResumeRequested): row("on_resume", _IDLE, _RUNNING, _BARRIER),
         (_IDLE, WakeUpRequested): row("on_wake_up", _IDLE, _RUNNING, _BARRIER),
-        (_IDLE, Reconfigured): row("on_reconfigured", _IDLE),
+        (_IDLE, SwitchRequested): row("on_switch_requested", _SWITCHING),
         (_RUNNING, RequestArrived): row("on_request", _RUNNING),
         (_RUNNING, StartWave): row("on_start_wave", _RUNNING),
         (_RUNNING, StepDone): row("on_step_done", _IDLE, _RUNNING, _SYNCING),
@@ -304,6 +349,7 @@ def _rows() -> dict[tuple[RankPhase, type], Transition]:
         (_RUNNING, WakeUpRequested): row("on_wake_up", _RUNNING),
         (_SYNCING, SyncDone): row("on_sync_done", _IDLE, _RUNNING),
         (_BARRIER, ResumeSynced): row("on_resume_synced", _IDLE, _RUNNING),
+        (_SWITCHING, Reconfigured): row("on_reconfigured", _IDLE),
     }
 
 
@@ -410,9 +456,10 @@ class RankMachine(TableMachine[RankSnapshot]):
         """Rule 9: a resume while unpaused changes nothing."""
         return state, ()
 
-    def held(self, state: RankSnapshot) -> tuple[object, ...]:
+    def held(self, state: RankSnapshot, event: RequestArrived) -> tuple[object, ...]:
         """Rule 8: a waiting request is announced."""
-        return (RequestHeld(reason="asleep" if state.asleep else "paused"),)
+        reason = "asleep" if state.asleep else "paused"
+        return (RequestHeld(request_ids=(event.request_id,), reason=reason),)
 
     def sync_contribution(self, state: RankSnapshot, event: StepDone, counter: int) -> SyncDP:
         """Rules 6 and 7: a pausing rank votes, a WAIT pause only once nothing of its
@@ -463,12 +510,12 @@ class RankMachine(TableMachine[RankSnapshot]):
     def on_request(self, state: RankSnapshot, event: RequestArrived) -> Result:
         state = replace(state, has_work=True)
         if state.phase is _RUNNING:
-            held = self.held(state) if state.pause_state is PauseState.PENDING else ()
+            held = self.held(state, event) if state.pause_state is PauseState.PENDING else ()
             return state, held
         if not self.wakes_on_request(state, event):
             if state.pause_state is PauseState.UNPAUSED and not state.asleep:
                 return state, ()
-            return state, self.held(state)
+            return state, self.held(state, event)
         if not self.lockstep:
             return replace(state, phase=_RUNNING, running=True), ()
         wave = max(state.wave, event.wave)
@@ -570,16 +617,23 @@ class RankMachine(TableMachine[RankSnapshot]):
         return pending, scheduler
 
     def on_sleep(self, state: RankSnapshot, event: SleepRequested) -> Result:
+        # An ABORT sleep drops what is in flight whenever it comes; the other modes keep
+        # what a pause already decided (a KEEP or WAIT pause never loosens, rule 7).
+        abort = event.mode is PauseMode.ABORT and state.pause_mode is not PauseMode.ABORT
+        dropped: tuple[object, ...] = (PauseScheduler(mode=PauseMode.ABORT),) if abort else ()
         if state.pause_state is PauseState.PAUSED:
             tags = sleep_tags(event.level)
-            asleep = replace(state, asleep=state.asleep | tags)
-            return asleep, (EnterSleep(level=event.level, tags=tags),)
+            asleep = replace(
+                state,
+                asleep=state.asleep | tags,
+                pause_mode=PauseMode.ABORT if abort else state.pause_mode,
+            )
+            return asleep, (*dropped, EnterSleep(level=event.level, tags=tags))
         level = max(event.level, state.sleep_level or 0)
         if state.pause_state is PauseState.PENDING:
-            return replace(state, sleep_level=level), ()
-        # Dropping the KV cache cannot keep running requests: they are aborted.
-        mode = PauseMode.KEEP if level == 0 else PauseMode.ABORT
-        pending, actions = self.on_pause(state, PauseRequested(mode=mode))
+            mode = PauseMode.ABORT if abort else state.pause_mode
+            return replace(state, sleep_level=level, pause_mode=mode), dropped
+        pending, actions = self.on_pause(state, PauseRequested(mode=event.mode))
         return replace(pending, sleep_level=level), actions
 
     def on_wake_up(self, state: RankSnapshot, event: WakeUpRequested) -> Result:
@@ -617,9 +671,31 @@ class RankMachine(TableMachine[RankSnapshot]):
         announce = (NotifyStartWave(wave=state.wave),) if state.rank == 0 else ()
         return started, announce
 
-    def on_reconfigured(self, state: RankSnapshot, event: Reconfigured) -> Result:
+    def on_switch_requested(self, state: RankSnapshot, event: SwitchRequested) -> Result:
         if state.pause_state is not PauseState.PAUSED:
             raise self.refuse(state, event, "only a paused rank can switch groups")
-        if event.running or event.wave < state.wave or event.step_counter < state.step_counter:
+        join = JoinGroup(
+            dp_size=event.dp_size,
+            running=state.running,
+            wave=state.wave,
+            step_counter=state.step_counter,
+        )
+        return replace(state, phase=_SWITCHING), (join,)
+
+    def on_reconfigured(self, state: RankSnapshot, event: Reconfigured) -> Result:
+        if event.wave < state.wave or event.step_counter < state.step_counter:
             raise self.refuse(state, event, "not the group's max of (running, wave, step)")
-        return self.switched(state, event), ()
+        if event.running:
+            # Every member switches paused, so the agreed value is False; True means a
+            # member that was not paused joined, and running on would hang its peers.
+            raise self.refuse(state, event, "a member of the new group was running")
+        switched = replace(self.switched(state, event), phase=_IDLE, running=event.running)
+        return switched, (GroupSwitched(dp_size=event.dp_size),)
+
+    def initial_actions(self) -> tuple[object, ...]:
+        """Rule 11: what the loop performs before its first input. A joining rank's
+        scheduler starts frozen, as its machine does."""
+        state = self._state
+        if state.pause_state is PauseState.PAUSED and state.pause_mode is not None:
+            return (PauseScheduler(mode=state.pause_mode),)
+        return ()

@@ -1,27 +1,39 @@
-"""Elastic scaling: one party's phases while the DP group changes size.
+"""Elastic scaling: the client's script for changing the number of DP ranks.
 
 Theory of operation:
 
-1. Every party of a reconfiguration runs one ``ScalingMachine``: ranks that stay
-   (``EXISTING``), ranks that join (``NEW``, scale up only) and ranks that leave
-   (``REMOVING``, scale down only).
-2. ``ScaleRequested`` starts it (IDLE -> PREPARING, ``PrepareGroup``): staying ranks
-   build the new group in the background while still serving on the old one, new ranks
-   load the model (their ``RankMachine`` starts joining: paused, ``ignore_start_wave``),
-   leaving ranks are dropped from load balancing.
-3. ``GroupPrepared`` -> READY (``ReadyForSwitch``). The client then pauses everyone
-   (staying ranks KEEP, leaving ranks ABORT) and commits.
-4. ``CommitRequested`` -> SWITCHING: ``SwitchGroup`` (adopt the new group, all-reduce the
-   max of running, wave and step counter into ``RankMachine.Reconfigured``), or for a
-   leaving rank ``DrainAndShutdown``.
-5. ``SwitchDone`` -> IDLE with ``ReconfigureFinished`` (rank 0 reports it; coordinator
-   and client resize, then resume), or for a leaving rank -> SHUT_DOWN with
-   ``ShutdownComplete``.
-6. One reconfiguration at a time: ``ScaleRequested`` while one is active raises
+1. One ``ScalingMachine`` lives in the client; its actions are the whole script, and
+   the engine's scaler and the simulated client perform them and nothing else. Ranks
+   keep their numbers: a scale up appends ranks ``old..new-1``, a scale down removes
+   the highest ones. The ranks' own side of a switch is ``RankMachine`` rule 11.
+2. Scale up: ``ScaleRequested`` -> STARTING with ``StartRanks`` (the new ranks start
+   joining: paused KEEP, ``ignore_start_wave``, their scheduler frozen; the others keep
+   serving meanwhile). ``RanksReady`` -> PAUSING with ``PauseRanks`` (every old rank,
+   KEEP: requests stay frozen, none is lost).
+3. Scale down: ``ScaleRequested`` -> DRAINING with ``RouteTo`` (new requests reach only
+   the staying ranks) and ``DrainRanks`` (the leaving ranks finish what they hold; at
+   the caller's bound what is left is aborted, so its callers see "abort": never a
+   silent loss). ``Drained`` -> PAUSING with ``PauseRanks`` (every old rank, KEEP: the
+   leaving ones too, since a lockstep pause is a consensus of the whole old group).
+4. ``RanksPaused`` -> SWITCHING with, for a scale down, ``StopRanks`` (the leaving
+   ranks, now empty, exit), then ``SwitchGroup`` (every rank of the new group joins it
+   and adopts the group's max of running, wave and step counter).
+5. ``SwitchDone`` -> RESIZING with ``ResizeCoordinator``; ``CoordinatorResized`` (the
+   coordinator published the new size, so no message from a new rank can reach it
+   first) -> RESUMING with ``ResizeTables`` and ``ResumeRanks``; ``Resumed`` -> IDLE with
+   ``ReconfigureFinished``.
+6. Why drain, and why the group is built at the commit: draining keeps every accepted
+   request's output (aborting would throw work away that the leaving rank can finish
+   in moments); gloo's rendezvous needs every member, and new ranks are members only
+   once they are ready, so a group prepared in the background would wait for them all
+   the same; the commit costs one rendezvous while paused.
+7. One reconfiguration at a time: ``ScaleRequested`` while one is active raises
    ``ReconfigurationActiveError``.
-7. ``ScaleAborted`` from any active phase discards the new group and returns to IDLE,
-   usable and ready for another attempt; a new rank that was never switched in shuts
-   down instead.
+8. ``ScaleAborted`` before the switch rolls back (STARTING: ``StopRanks`` of the new
+   ranks; DRAINING: ``RouteTo`` the old size; PAUSING: both as they apply, then
+   ``ResumeRanks``) and returns to IDLE with the engine at its old size; from the
+   switch on nothing can be rolled back: ``ScaleAbandoned`` says so, and IDLE takes a
+   new attempt.
 """
 
 from __future__ import annotations
@@ -33,23 +45,14 @@ from .errors import ReconfigurationActiveError
 from .table import TableMachine, Transition
 
 
-class ScaleRole(Enum):
-    EXISTING = "existing"
-    NEW = "new"
-    REMOVING = "removing"
-
-
-class ScaleDirection(Enum):
-    UP = "up"
-    DOWN = "down"
-
-
 class ScalePhase(Enum):
     IDLE = "idle"
-    PREPARING = "preparing"
-    READY = "ready"
+    STARTING = "starting"
+    DRAINING = "draining"
+    PAUSING = "pausing"
     SWITCHING = "switching"
-    SHUT_DOWN = "shut_down"
+    RESIZING = "resizing"
+    RESUMING = "resuming"
 
 
 # -- events -------------------------------------------------------------------------
@@ -57,26 +60,44 @@ class ScalePhase(Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ScaleRequested:
-    direction: ScaleDirection
+    old_dp_size: int
     dp_size: int
 
     def __post_init__(self) -> None:
-        if self.dp_size < 1:
-            raise ValueError(f"ScaleRequested.dp_size must be >= 1, got {self.dp_size}")
+        for name in ("old_dp_size", "dp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ScaleRequested.{name} must be >= 1, got {getattr(self, name)}")
+        if self.old_dp_size == self.dp_size:
+            raise ValueError(f"ScaleRequested: already {self.dp_size} ranks")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class GroupPrepared:
+class RanksReady:
     pass
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CommitRequested:
+class Drained:
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RanksPaused:
     pass
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SwitchDone:
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoordinatorResized:
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resumed:
     pass
 
 
@@ -89,14 +110,31 @@ class ScaleAborted:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PrepareGroup:
-    role: ScaleRole
+class StartRanks:
+    ranks: tuple[int, ...]
     dp_size: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ReadyForSwitch:
-    pass
+class RouteTo:
+    """New requests go to ranks ``[0, dp_size)`` only."""
+
+    dp_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DrainRanks:
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PauseRanks:
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopRanks:
+    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,8 +143,18 @@ class SwitchGroup:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DrainAndShutdown:
-    pass
+class ResizeCoordinator:
+    dp_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResizeTables:
+    dp_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResumeRanks:
+    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,12 +163,13 @@ class ReconfigureFinished:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ShutdownComplete:
-    pass
+class ScaleRolledBack:
+    reason: str
+    dp_size: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DiscardNewGroup:
+class ScaleAbandoned:
     reason: str
 
 
@@ -130,42 +179,40 @@ class DiscardNewGroup:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ScalingSnapshot:
     phase: ScalePhase
-    direction: ScaleDirection | None = None
+    old_dp_size: int | None = None
     dp_size: int | None = None
 
 
-_IDLE, _PREPARING, _READY, _SWITCHING, _SHUT_DOWN = ScalePhase
-_ACTIVE = (_PREPARING, _READY, _SWITCHING)
+_IDLE, _STARTING, _DRAINING, _PAUSING, _SWITCHING, _RESIZING, _RESUMING = ScalePhase
+ACTIVE_PHASES = (_STARTING, _DRAINING, _PAUSING, _SWITCHING, _RESIZING, _RESUMING)
 Result = tuple[ScalingSnapshot, tuple[object, ...]]
 
 
 def _rows() -> dict[tuple[ScalePhase, type], Transition]:
+    def row(handler: str, *targets: ScalePhase) -> Transition:
+        return Transition(handler=handler, targets=targets)
+
     rows: dict[tuple[ScalePhase, type], Transition] = {
-        (_IDLE, ScaleRequested): Transition(handler="on_requested", targets=(_PREPARING,)),
-        (_PREPARING, GroupPrepared): Transition(handler="on_prepared", targets=(_READY,)),
-        (_READY, CommitRequested): Transition(handler="on_commit", targets=(_SWITCHING,)),
-        (_SWITCHING, SwitchDone): Transition(handler="on_switched", targets=(_IDLE, _SHUT_DOWN)),
+        (_IDLE, ScaleRequested): row("on_requested", _STARTING, _DRAINING),
+        (_STARTING, RanksReady): row("on_ready", _PAUSING),
+        (_DRAINING, Drained): row("on_drained", _PAUSING),
+        (_PAUSING, RanksPaused): row("on_paused", _SWITCHING),
+        (_SWITCHING, SwitchDone): row("on_switched", _RESIZING),
+        (_RESIZING, CoordinatorResized): row("on_resized", _RESUMING),
+        (_RESUMING, Resumed): row("on_resumed", _IDLE),
     }
-    for phase in _ACTIVE:
-        rows[phase, ScaleRequested] = Transition(handler="on_second_request", targets=(phase,))
-        rows[phase, ScaleAborted] = Transition(handler="on_aborted", targets=(_IDLE, _SHUT_DOWN))
+    for phase in ACTIVE_PHASES:
+        rows[phase, ScaleRequested] = row("on_second_request", phase)
+        rows[phase, ScaleAborted] = row("on_aborted", _IDLE)
     return rows
 
 
-_ALLOWED = {
-    ScaleRole.EXISTING: (ScaleDirection.UP, ScaleDirection.DOWN),
-    ScaleRole.NEW: (ScaleDirection.UP,),
-    ScaleRole.REMOVING: (ScaleDirection.DOWN,),
-}
-
-
 class ScalingMachine(TableMachine[ScalingSnapshot]):
-    """One party's view of a reconfiguration; see the module docstring."""
+    """The client's side of one reconfiguration at a time; see the module docstring."""
 
     TRANSITIONS = _rows()
 
-    def __init__(self, role: ScaleRole) -> None:
-        self.role = role
+    def __init__(self) -> None:
         self._state = ScalingSnapshot(phase=_IDLE)
 
     @property
@@ -174,56 +221,75 @@ class ScalingMachine(TableMachine[ScalingSnapshot]):
 
     @property
     def active(self) -> bool:
-        return self._state.phase in _ACTIVE
-
-    @property
-    def direction(self) -> ScaleDirection | None:
-        return self._state.direction
+        return self._state.phase in ACTIVE_PHASES
 
     @property
     def target_dp_size(self) -> int | None:
         return self._state.dp_size
 
-    def abort_target(self) -> ScalePhase:
-        """Rule 7: an aborted reconfiguration leaves the party usable."""
-        return _SHUT_DOWN if self.role is ScaleRole.NEW else _IDLE
+    # -- rules that broken variants in the tests override ------------------------------
+
+    def pause_targets(self, state: ScalingSnapshot) -> tuple[int, ...]:
+        """Rules 2 and 3: every rank of the old group pauses (a lockstep pause is a
+        consensus of the whole group, the leaving ranks included)."""
+        return tuple(range(state.old_dp_size or 0))
+
+    # -- handlers -----------------------------------------------------------------------
 
     def on_requested(self, state: ScalingSnapshot, event: ScaleRequested) -> Result:
-        if event.direction not in _ALLOWED[self.role]:
-            raise self.refuse(
-                state, event, f"a {self.role.name} party cannot scale {event.direction.name}"
+        old, new = event.old_dp_size, event.dp_size
+        started = replace(state, old_dp_size=old, dp_size=new)
+        if new > old:
+            return replace(started, phase=_STARTING), (
+                StartRanks(ranks=tuple(range(old, new)), dp_size=new),
             )
-        preparing = replace(
-            state, phase=_PREPARING, direction=event.direction, dp_size=event.dp_size
+        return replace(started, phase=_DRAINING), (
+            RouteTo(dp_size=new),
+            DrainRanks(ranks=tuple(range(new, old))),
         )
-        return preparing, (PrepareGroup(role=self.role, dp_size=event.dp_size),)
 
     def on_second_request(self, state: ScalingSnapshot, event: ScaleRequested) -> Result:
         raise ReconfigurationActiveError(
             type(self).__name__,
             state.phase.name,
             event,
-            f"scaling {state.direction.name if state.direction else '?'} to {state.dp_size} "
-            "is still in progress",
+            f"scaling from {state.old_dp_size} to {state.dp_size} ranks is still in progress",
         )
 
-    def on_prepared(self, state: ScalingSnapshot, event: GroupPrepared) -> Result:
-        return replace(state, phase=_READY), (ReadyForSwitch(),)
+    def on_ready(self, state: ScalingSnapshot, event: RanksReady) -> Result:
+        return replace(state, phase=_PAUSING), (PauseRanks(ranks=self.pause_targets(state)),)
 
-    def on_commit(self, state: ScalingSnapshot, event: CommitRequested) -> Result:
-        switching = replace(state, phase=_SWITCHING)
-        if self.role is ScaleRole.REMOVING:
-            return switching, (DrainAndShutdown(),)
-        return switching, (SwitchGroup(dp_size=state.dp_size or 0),)
+    def on_drained(self, state: ScalingSnapshot, event: Drained) -> Result:
+        return replace(state, phase=_PAUSING), (PauseRanks(ranks=self.pause_targets(state)),)
+
+    def on_paused(self, state: ScalingSnapshot, event: RanksPaused) -> Result:
+        old, new = state.old_dp_size or 0, state.dp_size or 0
+        stop = (StopRanks(ranks=tuple(range(new, old))),) if new < old else ()
+        return replace(state, phase=_SWITCHING), (*stop, SwitchGroup(dp_size=new))
 
     def on_switched(self, state: ScalingSnapshot, event: SwitchDone) -> Result:
-        if self.role is ScaleRole.REMOVING:
-            return ScalingSnapshot(phase=_SHUT_DOWN), (ShutdownComplete(),)
+        return replace(state, phase=_RESIZING), (ResizeCoordinator(dp_size=state.dp_size or 0),)
+
+    def on_resized(self, state: ScalingSnapshot, event: CoordinatorResized) -> Result:
+        new = state.dp_size or 0
+        return replace(state, phase=_RESUMING), (
+            ResizeTables(dp_size=new),
+            ResumeRanks(ranks=tuple(range(new))),
+        )
+
+    def on_resumed(self, state: ScalingSnapshot, event: Resumed) -> Result:
         return ScalingSnapshot(phase=_IDLE), (ReconfigureFinished(dp_size=state.dp_size or 0),)
 
     def on_aborted(self, state: ScalingSnapshot, event: ScaleAborted) -> Result:
-        target = self.abort_target()
-        actions: tuple[object, ...] = (DiscardNewGroup(reason=event.reason),)
-        if target is _SHUT_DOWN:
-            actions = (*actions, ShutdownComplete())
-        return ScalingSnapshot(phase=target), actions
+        old, new = state.old_dp_size or 0, state.dp_size or 0
+        idle = ScalingSnapshot(phase=_IDLE)
+        if state.phase in (_SWITCHING, _RESIZING, _RESUMING):
+            return idle, (ScaleAbandoned(reason=event.reason),)
+        rollback: list[object] = []
+        if new > old:
+            rollback.append(StopRanks(ranks=tuple(range(old, new))))
+        else:
+            rollback.append(RouteTo(dp_size=old))
+        if state.phase is _PAUSING:
+            rollback.append(ResumeRanks(ranks=tuple(range(old))))
+        return idle, (*rollback, ScaleRolledBack(reason=event.reason, dp_size=old))

@@ -7,10 +7,10 @@ Theory of operation:
    ``pause``, ``resume``, ``sleep``, ``wake``, ``scale``) send their messages at once;
    ``step()`` then performs one enabled move chosen by the seeded generator, so every
    seed is one reproducible interleaving.
-2. A scale is the client's script: prepare (pause staying ranks KEEP and leaving ranks
-   ABORT), commit once the pause is answered, resume once the coordinator published
-   the new group size. ``step()`` runs the later parts as client moves among the
-   others.
+2. A scale is the script of the client's ``ScalingMachine`` (drain the leaving ranks,
+   pause every rank KEEP, stop the leaving ones, switch groups, wait for the
+   coordinator's new size, resume). ``step()`` runs its later parts, and a drain
+   timeout, as client moves among the others.
 3. ``run()`` steps until nothing is left to deliver or step, then checks the end-state
    properties. Any broken property raises ``Violation`` carrying the whole trace.
 4. ``python -m wavecore.statemachines.sim --dp 3 --depth 40`` explores every
@@ -28,10 +28,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .explore import default_configs, explore
+from .harness.explore import default_configs, explore
+from .harness.variants import VARIANTS
+from .harness.world import ClientRefused, RequestSpec, Violation, World, WorldConfig
 from .rank import PauseMode
-from .variants import VARIANTS
-from .world import ClientRefused, RequestSpec, Violation, World, WorldConfig
 
 __all__ = ["ClientRefused", "Simulation", "Violation", "main"]
 
@@ -68,7 +68,6 @@ class Simulation:
         self.world = World.start(config)
         self.world.trace = []
         self._random = random.Random(seed)
-        self._script: list[tuple[object, ...]] = []
         self.moves = 0
 
     @property
@@ -94,8 +93,6 @@ class Simulation:
         return ids[0]
 
     def _op(self, op: tuple[object, ...]) -> None:
-        if self._script:
-            raise ClientRefused(f"{op[0]}: a reconfiguration is in progress")
         self._guard(lambda: self.world.client_op(op))
 
     def pause(self, mode: PauseMode) -> None:
@@ -104,8 +101,8 @@ class Simulation:
     def resume(self) -> None:
         self._op(("resume",))
 
-    def sleep(self, level: int) -> None:
-        self._op(("sleep", level))
+    def sleep(self, level: int, mode: PauseMode = PauseMode.ABORT) -> None:
+        self._op(("sleep", level, mode))
 
     def wake(self) -> None:
         self._op(("wake",))
@@ -115,32 +112,26 @@ class Simulation:
             raise ValueError(
                 f"scale to {dp_size}: must differ from {self.world.client.group} and be >= 1"
             )
-        self._op(("scale_prepare", dp_size))
-        self._script = [("scale_commit",), ("resume",)]
+        self._op(("scale", dp_size))
 
     # -- running ------------------------------------------------------------------------------
 
     @property
     def reconfiguring(self) -> bool:
-        """A scale waits for its commit or resume: other operations are refused."""
-        return bool(self._script)
+        """A scale is in progress: other operations are refused."""
+        return self.world.scaler.active
 
     def quiescent(self) -> bool:
-        return self.world.quiescent() and not self._script
+        return self.world.quiescent() and not self.world.scale_moves()
 
     def step(self) -> bool:
-        """One randomly chosen move; False when nothing can move."""
-        moves: list[tuple[object, ...]] = list(self.world.network_moves())
-        if self._script and self.world.refusal(self._script[0]) is None:
-            moves.append(("script",))
+        """One randomly chosen move (the scale's moves among them); False when nothing
+        can move."""
+        moves = [*self.world.network_moves(), *self.world.scale_moves()]
         if not moves:
             return False
         move = self._random.choice(moves)
-        if move[0] == "script":
-            op = self._script.pop(0)
-            self._guard(lambda: self.world.client_op(op))
-        else:
-            self._guard(lambda: self.world.apply(move))
+        self._guard(lambda: self.world.apply(move))
         self.moves += 1
         return True
 

@@ -1,9 +1,9 @@
-"""Data parallelism: one client, one coordinator process and N engine-rank processes.
+"""Data parallelism: the fleet of rank processes behind the front end.
 
-`wavecore.engine.async_engine.open_engine` dispatches `dp_size > 1` here; see
-`client` (the public API), `launcher` (processes and startup), `rank_process` (the busy
-loop of one rank), `coordinator_process`, `collective` (the DP all-reduce),
-`load_balancer` and `messages` (what travels between them).
+`client` is the data-parallel core client; `launcher` starts, watches and reaps the
+processes; `rank_process` is one rank's process (the same rank runner as in-process);
+`coordinator_process` relays waves and loads; `collective` and `group_switch` are the
+gloo all-reduces; `scaler` performs elastic scaling's script.
 
 This package's __init__ imports nothing, so that the coordinator process stays light
 (it never loads torch).

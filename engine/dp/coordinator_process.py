@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 
 from wavecore.channels import MessageSender, open_pub, open_pull, open_req
-from wavecore.engine.dp import messages as m
+from wavecore.engine import messages as m
 from wavecore.engine.dp.invalid_frames import InvalidFrameLog
 from wavecore.statemachines.coordinator import (
     BroadcastStartWave,

@@ -50,8 +50,8 @@ from wavecore.channels import (
     open_rep,
     open_sub,
 )
+from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.dp import messages as m
 from wavecore.engine.dp.coordinator_process import coordinator_main
 from wavecore.engine.dp.invalid_frames import InvalidFrameLog
 from wavecore.engine.dp.rank_process import BuildCore, describe_config, rank_main
@@ -244,13 +244,13 @@ async def open_dp_processes(
                     watcher.closing = True
                     await _close_senders([*to_ranks, wiring.to_coordinator])
                     with anyio.CancelScope(shield=True):
-                        await _reap(processes, grace=SHUTDOWN_GRACE_S if watcher.clean else 0.0)
+                        await reap(processes, grace=SHUTDOWN_GRACE_S if watcher.clean else 0.0)
                     watcher.stop()
     finally:
         watcher.stop()
         if not started:
             with anyio.CancelScope(shield=True):
-                await _reap(processes, grace=0.0)
+                await reap(processes, grace=0.0)
         watcher.close()
         addresses.remove()
 
@@ -311,7 +311,7 @@ async def _startup(
                 await rank_rep.send(m.HandshakeReply(accepted=False, reason="startup failed"))
                 raise DPStartupError(f"rank {message.rank} failed to start: {message.error}")
             else:
-                problem = _config_difference(expected, message)
+                problem = config_difference(expected, message)
                 await rank_rep.send(m.HandshakeReply(accepted=not problem, reason=problem))
                 if problem:
                     raise ConfigMismatchError(problem)
@@ -352,7 +352,7 @@ async def _startup(
         await wiring.coordinator_state.wait_connected()
 
 
-def _config_difference(expected: dict[str, str], ready: m.RankReady) -> str:
+def config_difference(expected: dict[str, str], ready: m.RankReady) -> str:
     if ready.config_hash == config_hash(expected):
         return ""
     names = sorted(set(expected) | set(ready.config_items))
@@ -444,7 +444,8 @@ class ProcessWatcher:
         self._wake_writer.close()
 
 
-async def _reap(processes: dict[str, BaseProcess], *, grace: float) -> None:
+async def reap(processes: Mapping[str, BaseProcess], *, grace: float) -> None:
+    """Join these processes: `grace` seconds to exit, then SIGTERM, then SIGKILL."""
     started = [p for p in processes.values() if p.pid is not None]
 
     def join_all(timeout: float) -> None:

@@ -7,12 +7,7 @@ a model's metadata alone (for the tokenizer: `ModelSource.gguf_metadata`,
 """
 
 from wavecore.engine.model.config import ModelConfig
-from wavecore.engine.model.errors import (
-    ExecutorAsleepError,
-    ExecutorClosedError,
-    InvalidBatchError,
-    ModelLoadError,
-)
+from wavecore.engine.model.errors import InvalidBatchError, ModelLoadError
 from wavecore.engine.model.executor import ModelExecutor, load_executor
 from wavecore.engine.model.resolve import (
     DEFAULT_MODEL_INSTALL,
@@ -23,8 +18,6 @@ from wavecore.engine.model.source import ModelSource
 
 __all__ = [
     "DEFAULT_MODEL_INSTALL",
-    "ExecutorAsleepError",
-    "ExecutorClosedError",
     "InvalidBatchError",
     "ModelConfig",
     "ModelExecutor",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from wavecore.engine.batch import SequenceChunk
+from wavecore.engine.executors.batch import SequenceChunk
 from wavecore.engine.model.attention import AttentionPlan, DecodeAttention, PrefillAttention
 from wavecore.engine.model.errors import InvalidBatchError
 

@@ -11,11 +11,3 @@ class ModelLoadError(EngineError):
 
 class InvalidBatchError(EngineError, ValueError):
     """A batch broke the executor's contract; it was refused before any KV write."""
-
-
-class ExecutorAsleepError(EngineError):
-    """The executor was asked to run while its weights or KV cache are released."""
-
-
-class ExecutorClosedError(EngineError):
-    """The executor was used after `close()`."""

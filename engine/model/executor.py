@@ -18,10 +18,16 @@ from typing import Literal, Protocol
 
 import torch
 
-from wavecore.engine.batch import ModelBatch, ModelOutput, SampledToken, SequenceChunk
+from wavecore.engine.executors.batch import (
+    EXECUTOR_TAGS,
+    ModelBatch,
+    ModelOutput,
+    SampledToken,
+    SequenceChunk,
+)
+from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosedError
 from wavecore.engine.model.batch_plan import CacheGeometry, plan_forward
 from wavecore.engine.model.config import ModelConfig
-from wavecore.engine.model.errors import ExecutorAsleepError, ExecutorClosedError
 from wavecore.engine.model.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
 from wavecore.engine.model.llama import LlamaModel
 from wavecore.engine.model.resolve import resolve_model_source
@@ -32,7 +38,6 @@ from wavecore.engine.sampling_params import SamplingParams
 
 DeviceSpec = Literal["cpu", "cuda", "auto"] | str | torch.device
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
-WAKE_TAGS = frozenset({"weights", "kv_cache"})
 
 
 class TokenSampler(Protocol):
@@ -221,9 +226,11 @@ class ModelExecutor:
 
     def wake_up(self, tags: frozenset[str]) -> None:
         self._check_open()
-        unknown = set(tags) - WAKE_TAGS
+        unknown = set(tags) - EXECUTOR_TAGS
         if unknown:
-            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; known: {sorted(WAKE_TAGS)}")
+            raise ValueError(
+                f"unknown wake_up tags {sorted(unknown)}; known: {sorted(EXECUTOR_TAGS)}"
+            )
         if "weights" in tags and self._model is None:
             if self._offloaded is not None:
                 weights = self._offloaded.to(self._device)

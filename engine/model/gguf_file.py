@@ -1,6 +1,6 @@
 """Reading Llama-family GGUF files: metadata into a `ModelSource`, tensors into float32.
 
-The header (metadata and tensor table) is parsed once, by `wavecore.engine.gguf_format`,
+The header (metadata and tensor table) is parsed once, by `wavecore.engine.model.gguf_format`,
 when the model is resolved; the `ModelSource` keeps both, so the tokenizer is built from
 the same metadata and the weights are read by mapping the file and slicing each tensor
 at its recorded offset.
@@ -23,9 +23,9 @@ import gguf
 import numpy as np
 import torch
 
-from wavecore.engine.gguf_format import GGUFFormatError, GGUFTensorInfo, read_gguf_header
 from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.errors import ModelLoadError
+from wavecore.engine.model.gguf_format import GGUFFormatError, GGUFTensorInfo, read_gguf_header
 from wavecore.engine.model.source import ModelSource
 
 # GGUF architecture name -> whether its converter permutes q/k rows, whether q/k/v have biases.
@@ -85,6 +85,7 @@ def read_gguf(path: Path) -> ModelSource:
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=(int(eos),) if eos is not None else (),
         chat_template=template if isinstance(template, str) else None,
+        tensor_loader=load_gguf_tensors,
         gguf_tensors=header.tensors,
     )
 

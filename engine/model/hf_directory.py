@@ -76,6 +76,7 @@ def read_hf_directory(directory: Path) -> ModelSource:
         bos_token_id=int(bos) if isinstance(bos, int) else None,
         eos_token_ids=eos_ids,
         chat_template=template if isinstance(template, str) else None,
+        tensor_loader=load_safetensors_tensors,
     )
 
 

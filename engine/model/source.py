@@ -6,6 +6,9 @@ whole key/value table and the tensor table, each parsed once. The tokenizer is b
 from this metadata (`Tokenizer.from_source`); tensor data is read later, by
 `load_tensors()`, from the recorded offsets, without parsing the header again.
 
+The format readers (`gguf_file`, `hf_directory`) build `ModelSource`s and hand each one
+its own tensor loader, so this module never imports them: dependencies point one way.
+
 Tensors come back under canonical names, independent of the file format, each laid
 out `[out_features, in_features]` like both GGUF and Hugging Face store them:
 `embed`, `final_norm`, `lm_head` (absent when tied), `rope_freqs` (optional) and
@@ -14,17 +17,19 @@ out `[out_features, in_features]` like both GGUF and Hugging Face store them:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from wavecore.engine.gguf_format import GGUFTensorInfo
 from wavecore.engine.model.config import ModelConfig
+from wavecore.engine.model.gguf_format import GGUFTensorInfo
 
 SourceFormat = Literal["gguf", "safetensors"]
+# Reads every weight of a source: the reader of its format supplies it.
+TensorLoader = Callable[["ModelSource"], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +49,7 @@ class ModelSource:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     chat_template: str | None
+    tensor_loader: TensorLoader = field(repr=False, compare=False)
     # Where each tensor of a GGUF file lies, so the header is parsed only once.
     gguf_tensors: tuple[GGUFTensorInfo, ...] = field(default=(), repr=False, compare=False)
 
@@ -58,10 +64,4 @@ class ModelSource:
 
     def load_tensors(self) -> dict[str, torch.Tensor]:
         """Every weight, dequantized to float32 on the CPU, under canonical names."""
-        if self.format == "gguf":
-            from wavecore.engine.model.gguf_file import load_gguf_tensors
-
-            return load_gguf_tensors(self)
-        from wavecore.engine.model.hf_directory import load_safetensors_tensors
-
-        return load_safetensors_tensors(self)
+        return self.tensor_loader(self)

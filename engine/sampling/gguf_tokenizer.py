@@ -21,7 +21,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from wavecore.engine.gguf_format import MetadataValue
+from wavecore.engine.model.gguf_format import MetadataValue
 from wavecore.engine.sampling.errors import TokenizerLoadError
 
 _CONTROL = 3

@@ -21,7 +21,7 @@ from itertools import chain
 
 import torch
 
-from wavecore.engine.batch import SequenceChunk
+from wavecore.engine.executors.batch import SequenceChunk
 
 
 def _history_indices(

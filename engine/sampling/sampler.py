@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from wavecore.engine.batch import SampledToken, SequenceChunk
+from wavecore.engine.executors.batch import SampledToken, SequenceChunk
 from wavecore.engine.sampling.logits_processing import (
     apply_output_penalties,
     apply_repetition_penalty,

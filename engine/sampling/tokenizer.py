@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import tokenizers
 
-from wavecore.engine.gguf_format import read_gguf_metadata
+from wavecore.engine.model.gguf_format import read_gguf_metadata
 from wavecore.engine.sampling.chat_template import ChatTemplate, ChatTemplateError
 from wavecore.engine.sampling.errors import TokenizerLoadError
 from wavecore.engine.sampling.gguf_tokenizer import build_gguf_tokenizer

@@ -9,7 +9,7 @@ from .errors import (
     PromptTooLongError,
     StepOrderError,
 )
-from .outputs import PauseState, RequestUpdate, SchedulerOutput, SchedulerStats
+from .outputs import RequestUpdate, SchedulerOutput, SchedulerStats
 from .request import Request
 from .scheduler import Scheduler
 
@@ -19,7 +19,6 @@ __all__ = [
     "DuplicateRequestError",
     "InvalidPromptError",
     "OutputMismatchError",
-    "PauseState",
     "PrefixHit",
     "PromptTooLongError",
     "Request",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wavecore.engine.batch import Executor
+from wavecore.engine.executors.batch import Executor
 
 
 def _check_positive(name: str, value: object) -> None:

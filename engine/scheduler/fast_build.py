@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from wavecore.engine.batch import SampledToken, SequenceChunk
+from wavecore.engine.executors.batch import SampledToken, SequenceChunk
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.statemachines.request import FinishReason
 

@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING
 
-from wavecore.engine.batch import ModelBatch, SampledToken
+from wavecore.engine.executors.batch import ModelBatch, SampledToken
 from wavecore.statemachines.request import FinishReason
 
 if TYPE_CHECKING:
     from .request import Request
-
-
-class PauseState(Enum):
-    """How much the scheduler may do; the DP pause protocol sets it.
-
-    UNPAUSED schedules normally. PAUSED_NEW admits nothing new (waiting requests stay
-    queued) while running requests continue, which drains them. PAUSED_ALL schedules
-    nothing at all and keeps every request where it is.
-    """
-
-    UNPAUSED = "UNPAUSED"
-    PAUSED_NEW = "PAUSED_NEW"
-    PAUSED_ALL = "PAUSED_ALL"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -38,8 +38,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from wavecore.engine.batch import ModelBatch, ModelOutput, SequenceChunk
+from wavecore.engine.executors.batch import ModelBatch, ModelOutput, SequenceChunk
 from wavecore.engine.sampling_params import SamplingParams
+from wavecore.statemachines.rank import PauseMode
 from wavecore.statemachines.request import (
     Finish,
     FinishReason,
@@ -58,7 +59,7 @@ from .errors import (
     StepOrderError,
 )
 from .fast_build import build_chunk, build_update
-from .outputs import PauseState, RequestUpdate, SchedulerOutput, SchedulerStats
+from .outputs import RequestUpdate, SchedulerOutput, SchedulerStats
 from .request import Request
 
 _RUNNING = RequestState.RUNNING
@@ -85,7 +86,9 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
-        self._pause = PauseState.UNPAUSED
+        # The rank machine's PauseScheduler: None schedules normally, ABORT and WAIT
+        # admit nothing new (running requests drain), KEEP schedules nothing at all.
+        self._pause: PauseMode | None = None
         self._step = 0
         self._in_flight: SchedulerOutput | None = None
         self._last_stats = self._snapshot(step=0, num_seqs=0, num_tokens=0, num_preempted=0)
@@ -101,7 +104,7 @@ class Scheduler:
         return len(self._running)
 
     @property
-    def pause_state(self) -> PauseState:
+    def pause_mode(self) -> PauseMode | None:
         return self._pause
 
     @property
@@ -131,12 +134,12 @@ class Scheduler:
     def has_work(self) -> bool:
         """Whether `schedule()` could make progress in the current pause state.
 
-        Under PAUSED_NEW only running and preempted requests count, so a paused engine
-        with new requests queued can still go idle; under PAUSED_ALL nothing does.
+        Under an ABORT or WAIT pause only running and preempted requests count, so a
+        paused engine with new requests queued can still go idle; under KEEP nothing does.
         """
-        if self._pause is PauseState.UNPAUSED:
+        if self._pause is None:
             return bool(self._requests)
-        if self._pause is PauseState.PAUSED_NEW:
+        if self._pause is not PauseMode.KEEP:
             waiting = self._waiting
             return bool(self._running) or bool(waiting and waiting[0].state is _PREEMPTED)
         return False
@@ -221,10 +224,10 @@ class Scheduler:
 
     # -- pause and KV state --------------------------------------------------------
 
-    def set_pause(self, state: PauseState) -> None:
-        if not isinstance(state, PauseState):
-            raise TypeError(f"state must be a PauseState, got {state!r}")
-        self._pause = state
+    def set_pause(self, mode: PauseMode | None) -> None:
+        if mode is not None and not isinstance(mode, PauseMode):
+            raise TypeError(f"mode must be a PauseMode or None, got {mode!r}")
+        self._pause = mode
 
     def preempt_all(self) -> int:
         """Send every running request back to waiting, to be recomputed; return how many.
@@ -249,7 +252,7 @@ class Scheduler:
         if step is None:
             step = self._step
         self._step += 1
-        if self._pause is PauseState.PAUSED_ALL:
+        if self._pause is PauseMode.KEEP:
             return self._output(step, [], [], 0, 0, 0)
 
         config = self.config
@@ -378,7 +381,7 @@ class Scheduler:
         running = self._running
         block_manager = self.block_manager
         max_num_seqs = self.config.max_num_seqs
-        new_allowed = self._pause is PauseState.UNPAUSED
+        new_allowed = self._pause is None
         while waiting and budget > 0 and len(running) < max_num_seqs:
             request = waiting[0]
             if not new_allowed and request.machine.state is not _PREEMPTED:

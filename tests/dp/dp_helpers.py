@@ -6,10 +6,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from wavecore.engine.batch import ModelBatch, ModelOutput
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.core import EngineCore
-from wavecore.engine.null_executor import null_continuation
+from wavecore.engine.core.engine_core import EngineCore
+from wavecore.engine.dp.client import DPClient
+from wavecore.engine.dp.launcher import DPWiring
+from wavecore.engine.executors.batch import ModelBatch, ModelOutput
+from wavecore.engine.executors.null_executor import null_continuation
+from wavecore.engine.frontend.engine import FrontEnd
+from wavecore.engine.interface import Engine
 from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
 
 HANG_GUARD = 60
@@ -26,6 +30,14 @@ def null_config(**overrides: Any) -> EngineConfig:
     }
     settings.update(overrides)
     return EngineConfig(**settings)
+
+
+def wiring_of(engine: Engine) -> DPWiring:
+    """The processes and channels behind a DP engine, for tests that kill or inspect them."""
+    assert isinstance(engine, FrontEnd)
+    client = engine.core_client
+    assert isinstance(client, DPClient)
+    return client.wiring
 
 
 def expected_tokens(prompt: str, count: int) -> list[int]:

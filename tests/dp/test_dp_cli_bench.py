@@ -10,9 +10,9 @@ from pathlib import Path
 
 import anyio
 import pytest
-from dp_helpers import collect, expected_tokens
+from dp_helpers import collect, expected_tokens, wiring_of
 
-from wavecore.engine.cli import main
+from wavecore.engine.cli.main import main
 from wavecore.engine.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def test_dp_benchmark_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
 
 @pytest.mark.anyio
 async def test_a_headless_rank_joins_the_front_end_over_tcp() -> None:
-    from wavecore.engine.dp.client import open_dp_engine
+    from wavecore.engine.api import open_dp_engine
     from wavecore.engine.sampling_params import SamplingParams
 
     config = EngineConfig(executor="null", dp_size=2, dp_mode="lockstep", transport="tcp")
@@ -67,7 +67,7 @@ async def test_a_headless_rank_joins_the_front_end_over_tcp() -> None:
         master = address.removeprefix("tcp://")
         argv = ["rank", "--dp-rank", "1", "--dp-size", "2", "--master", master]
         argv += ["--executor", "null", "--dp-mode", "lockstep"]
-        code = f"import sys; from wavecore.engine.cli import main; sys.exit(main({argv!r}))"
+        code = f"import sys; from wavecore.engine.cli.main import main; sys.exit(main({argv!r}))"
         joined.append(subprocess.Popen([sys.executable, "-c", code]))
 
     try:
@@ -75,7 +75,7 @@ async def test_a_headless_rank_joins_the_front_end_over_tcp() -> None:
             async with open_dp_engine(
                 config, master="127.0.0.1:0", local_ranks=[0], on_listening=start_rank
             ) as engine:
-                assert list(engine.wiring.processes) == ["coordinator", "rank 0"]
+                assert list(wiring_of(engine).processes) == ["coordinator", "rank 0"]
                 for rank in (0, 1):
                     prompt = f"headless {rank}"
                     deltas = await collect(

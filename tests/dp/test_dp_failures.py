@@ -20,9 +20,10 @@ from dp_helpers import (
     expected_tokens,
     null_config,
     tokens_of,
+    wiring_of,
 )
 
-from wavecore.engine.dp.client import DPClient, open_dp_engine
+from wavecore.engine.api import Engine, open_dp_engine
 from wavecore.engine.dp.launcher import ConfigMismatchError, DPStartupError
 from wavecore.engine.errors import EngineDeadError
 from wavecore.engine.sampling_params import SamplingParams
@@ -30,11 +31,11 @@ from wavecore.engine.sampling_params import SamplingParams
 pytestmark = pytest.mark.anyio
 
 
-def assert_all_reaped(engine: DPClient) -> None:
-    for name, process in engine.wiring.processes.items():
+def assert_all_reaped(engine: Engine) -> None:
+    for name, process in wiring_of(engine).processes.items():
         assert not process.is_alive(), name
         assert process.exitcode is not None, name
-    directory = engine.wiring.ipc_directory
+    directory = wiring_of(engine).ipc_directory
     assert directory is not None and not os.path.exists(directory)
 
 
@@ -53,9 +54,9 @@ async def test_a_killed_rank_fails_every_request_and_later_calls() -> None:
         async with open_dp_engine(null_config()) as engine, anyio.create_task_group() as tg:
             for rank in (0, 0, 1, 1):
                 tg.start_soon(run, rank)
-            while sum(r.engine.num_running for r in (await engine.stats()).ranks) < 4:
+            while sum(r.core.num_running for r in (await engine.stats()).ranks) < 4:
                 pass
-            os.kill(engine.wiring.processes["rank 1"].pid, signal.SIGKILL)
+            os.kill(wiring_of(engine).processes["rank 1"].pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError, match="rank 1 died"):
             await collect(engine, "later", SamplingParams())
         with pytest.raises(EngineDeadError, match="rank 1 died"):
@@ -112,14 +113,14 @@ async def test_malformed_frames_are_dropped_logged_once_and_harmless(caplog) -> 
     with anyio.fail_after(HANG_GUARD):
         async with open_dp_engine(null_config(dp_mode="independent")) as engine:
             targets = [
-                engine.wiring.addresses["outputs"],
-                engine.wiring.addresses["coordinator_input"],
+                wiring_of(engine).addresses["outputs"],
+                wiring_of(engine).addresses["coordinator_input"],
             ]
             for address in targets:
                 with pynng.Push0(dial=address) as rogue:
                     for garbage in (b"\xff\x00garbage", b"\x9f\x9f\x9f"):
                         await rogue.asend(garbage)
-            log = engine.wiring.invalid_frames[0]
+            log = wiring_of(engine).invalid_frames[0]
             while log.count < 2:
                 await engine.stats()
             deltas = await collect(engine, "still fine", SamplingParams(max_tokens=5))
@@ -134,7 +135,7 @@ async def test_cancelling_the_block_shuts_everything_down() -> None:
         with anyio.CancelScope() as scope:
             async with open_dp_engine(null_config()) as engine, anyio.create_task_group() as tg:
                 tg.start_soon(collect, engine, "forever", SamplingParams(max_tokens=1_000_000))
-                while not sum(r.engine.num_running for r in (await engine.stats()).ranks):
+                while not sum(r.core.num_running for r in (await engine.stats()).ranks):
                     pass
                 scope.cancel()
     assert scope.cancelled_caught

@@ -6,8 +6,7 @@ import anyio
 import pytest
 from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens_of
 
-from wavecore.engine.async_engine import open_engine
-from wavecore.engine.dp.client import DPClient
+from wavecore.engine.api import Engine, open_engine
 from wavecore.engine.errors import DuplicateRequestError, InvalidRequestError, UnknownRequestError
 from wavecore.engine.sampling_params import SamplingParams
 
@@ -21,13 +20,13 @@ async def engine():
         yield dp_engine
 
 
-async def test_open_engine_with_dp_size_2_gives_a_dp_client(engine: DPClient) -> None:
-    assert isinstance(engine, DPClient)
+async def test_open_engine_with_dp_size_2_serves_two_ranks(engine: Engine) -> None:
+    assert engine.dp_size == 2
     stats = await engine.stats()
     assert [report.rank for report in stats.ranks] == [0, 1]
 
 
-async def test_every_request_gets_its_own_output_and_requests_spread(engine: DPClient) -> None:
+async def test_every_request_gets_its_own_output_and_requests_spread(engine: Engine) -> None:
     prompts = [f"prompt number {i} " * (1 + i % 3) for i in range(24)]
     results: dict[str, list] = {}
     before = (await engine.stats()).requests_per_rank
@@ -54,7 +53,7 @@ async def test_every_request_gets_its_own_output_and_requests_spread(engine: DPC
     assert min(spread) >= len(prompts) // 4, spread
 
 
-async def test_explicit_dp_rank_wins(engine: DPClient) -> None:
+async def test_explicit_dp_rank_wins(engine: Engine) -> None:
     before = (await engine.stats()).ranks
     with anyio.fail_after(HANG_GUARD):
         for _ in range(3):
@@ -68,7 +67,7 @@ async def test_explicit_dp_rank_wins(engine: DPClient) -> None:
     assert added == [0, 3]
 
 
-async def test_bad_calls_are_refused_in_the_caller(engine: DPClient) -> None:
+async def test_bad_calls_are_refused_in_the_caller(engine: Engine) -> None:
     with pytest.raises(InvalidRequestError, match="dp_rank"):
         await collect(engine, "x", SamplingParams(), dp_rank=2)
     with pytest.raises(InvalidRequestError, match="empty"):
@@ -85,7 +84,7 @@ async def test_bad_calls_are_refused_in_the_caller(engine: DPClient) -> None:
     assert rest[-1].finish_reason == "abort"
 
 
-async def test_abort_goes_to_the_rank_that_holds_the_request(engine: DPClient) -> None:
+async def test_abort_goes_to_the_rank_that_holds_the_request(engine: Engine) -> None:
     with anyio.fail_after(HANG_GUARD):
         for rank in (0, 1):
             stream = engine.generate("x", SamplingParams(max_tokens=10_000), dp_rank=rank)
@@ -95,19 +94,19 @@ async def test_abort_goes_to_the_rank_that_holds_the_request(engine: DPClient) -
             assert rest[-1].finish_reason == "abort"
 
 
-async def test_leaving_a_stream_early_aborts_it_on_its_rank(engine: DPClient) -> None:
+async def test_leaving_a_stream_early_aborts_it_on_its_rank(engine: Engine) -> None:
     with anyio.fail_after(HANG_GUARD):
         stream = engine.generate("leave", SamplingParams(max_tokens=10_000), dp_rank=0)
         await stream.__anext__()
         await stream.aclose()
         while True:  # the abort travels through the outbox; stats are ordered after it
             stats = await engine.stats()
-            if stats.ranks[0].engine.num_running == 0:
+            if stats.ranks[0].core.num_running == 0:
                 break
-    assert stats.ranks[0].engine.num_waiting == 0
+    assert stats.ranks[0].core.num_waiting == 0
 
 
-async def test_idle_rank_runs_dummy_batches_and_waves_end_together(engine: DPClient) -> None:
+async def test_idle_rank_runs_dummy_batches_and_waves_end_together(engine: Engine) -> None:
     before = (await engine.stats()).ranks
     with anyio.fail_after(HANG_GUARD):
         deltas = await collect(engine, "wave", SamplingParams(max_tokens=12), dp_rank=0)

@@ -7,7 +7,7 @@ import importlib.util
 import anyio
 import pytest
 
-from wavecore.engine.async_engine import open_engine
+from wavecore.engine.api import open_engine
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.sampling_params import SamplingParams
 

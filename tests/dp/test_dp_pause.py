@@ -6,8 +6,7 @@ import anyio
 import pytest
 from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens_of
 
-from wavecore.engine.async_engine import open_engine
-from wavecore.engine.dp.client import DPClient
+from wavecore.engine.api import Engine, open_engine
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.statemachines.rank import PauseMode
 
@@ -21,7 +20,7 @@ async def engine():
         yield dp_engine
 
 
-async def _start_streams(engine: DPClient, count: int, max_tokens: int) -> list:
+async def _start_streams(engine: Engine, count: int, max_tokens: int) -> list:
     """`count` requests over both ranks, each having produced a first delta."""
     streams = []
     for number in range(count):
@@ -33,7 +32,7 @@ async def _start_streams(engine: DPClient, count: int, max_tokens: int) -> list:
     return streams
 
 
-async def test_pause_abort_ends_every_request_then_resume_serves_again(engine: DPClient) -> None:
+async def test_pause_abort_ends_every_request_then_resume_serves_again(engine: Engine) -> None:
     with anyio.fail_after(HANG_GUARD):
         streams = await _start_streams(engine, 4, 100_000)
         await engine.pause(PauseMode.ABORT)
@@ -41,14 +40,14 @@ async def test_pause_abort_ends_every_request_then_resume_serves_again(engine: D
             rest = [d async for d in stream]
             assert rest[-1].finish_reason == "abort"
         stats = await engine.stats()
-        assert [r.engine.paused for r in stats.ranks] == ["abort", "abort"]
-        assert all(r.engine.num_running == r.engine.num_waiting == 0 for r in stats.ranks)
+        assert [r.core.paused for r in stats.ranks] == ["abort", "abort"]
+        assert all(r.core.num_running == r.core.num_waiting == 0 for r in stats.ranks)
         await engine.resume()
         deltas = await collect(engine, "after", SamplingParams(max_tokens=4))
     assert tokens_of(deltas) == expected_tokens("after", 4)
 
 
-async def test_pause_wait_drains_running_requests_and_queues_new_ones(engine: DPClient) -> None:
+async def test_pause_wait_drains_running_requests_and_queues_new_ones(engine: Engine) -> None:
     results: dict[str, list] = {}
 
     async def run(prompt: str, rank: int) -> None:
@@ -68,18 +67,18 @@ async def test_pause_wait_drains_running_requests_and_queues_new_ones(engine: DP
                 pass  # each stats() is a round trip to both ranks, after the adds
             stats = await engine.stats()
             assert sorted(stats.held.values()) == ["rank 0 is paused", "rank 1 is paused"]
-            assert all(r.engine.num_waiting == 1 for r in stats.ranks)
+            assert all(r.core.num_waiting == 1 for r in stats.ranks)
             await engine.resume()
     for prompt in ("queued zero", "queued one"):
         assert tokens_of(results[prompt]) == expected_tokens(prompt, 30)
 
 
-async def test_pause_keep_freezes_requests_and_resume_finishes_them(engine: DPClient) -> None:
+async def test_pause_keep_freezes_requests_and_resume_finishes_them(engine: Engine) -> None:
     with anyio.fail_after(HANG_GUARD):
         streams = await _start_streams(engine, 2, 60)
         await engine.pause(PauseMode.KEEP)
         frozen = await engine.stats()
-        assert sum(r.engine.num_running for r in frozen.ranks) == 2
+        assert sum(r.core.num_running for r in frozen.ranks) == 2
         steps = [r.counters.real_steps for r in frozen.ranks]
         again = await engine.stats()
         assert [r.counters.real_steps for r in again.ranks] == steps
@@ -90,7 +89,7 @@ async def test_pause_keep_freezes_requests_and_resume_finishes_them(engine: DPCl
             assert rest[-1].usage.output_tokens == 60
 
 
-async def test_duplicate_resume_does_not_deadlock(engine: DPClient) -> None:
+async def test_duplicate_resume_does_not_deadlock(engine: Engine) -> None:
     with anyio.fail_after(HANG_GUARD):
         await engine.pause(PauseMode.KEEP)
         async with anyio.create_task_group() as tg:
@@ -101,7 +100,7 @@ async def test_duplicate_resume_does_not_deadlock(engine: DPClient) -> None:
     assert tokens_of(deltas) == expected_tokens("still alive", 5)
 
 
-async def test_a_request_during_sleep_waits_visibly_until_wake_up(engine: DPClient) -> None:
+async def test_a_request_during_sleep_waits_visibly_until_wake_up(engine: Engine) -> None:
     results: list = []
 
     async def run() -> None:
@@ -115,13 +114,11 @@ async def test_a_request_during_sleep_waits_visibly_until_wake_up(engine: DPClie
                 pass
             stats = await engine.stats()
             assert list(stats.held.values()) == ["rank 1 is asleep"]
-            assert all(
-                r.engine.asleep == ("kv_cache", "scheduling", "weights") for r in stats.ranks
-            )
+            assert all(r.core.asleep == ("kv_cache", "scheduling", "weights") for r in stats.ranks)
             await engine.wake_up(["weights"])
             assert (await engine.stats()).held  # still asleep in part
             await engine.wake_up()
     assert tokens_of(results) == expected_tokens("sleepy", 6)
     stats = await engine.stats()
-    assert [r.engine.asleep for r in stats.ranks] == [(), ()]
-    assert [r.engine.paused for r in stats.ranks] == [None, None]
+    assert [r.core.asleep for r in stats.ranks] == [(), ()]
+    assert [r.core.paused for r in stats.ranks] == [None, None]

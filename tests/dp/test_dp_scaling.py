@@ -1,4 +1,4 @@
-"""Elastic scaling (issue 7): `DPClient.scale` while requests stream, on null-executor
+"""Elastic scaling (issue 7): `Engine.scale` while requests stream, on null-executor
 ranks in their own processes. One engine serves the whole walk 1 -> 2 -> 3 -> 1 -> 2;
 failures get engines of their own."""
 
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import anyio
 import pytest
-from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens_of
+from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens_of, wiring_of
 
-from wavecore.engine.cli import main
+from wavecore.engine.api import Engine, open_dp_engine
+from wavecore.engine.cli.main import main
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.core import EngineCore
-from wavecore.engine.dp.client import DPClient, open_dp_engine
+from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -41,10 +41,10 @@ def build_core_failing_when_asked(config: EngineConfig) -> EngineCore:
     return EngineCore.from_config(config)
 
 
-def live_ranks(engine: DPClient) -> list[str]:
+def live_ranks(engine: Engine) -> list[str]:
     return sorted(
         name
-        for name, p in engine.wiring.processes.items()
+        for name, p in wiring_of(engine).processes.items()
         if name.startswith("rank") and "retired" not in name and p.is_alive()
     )
 
@@ -52,12 +52,13 @@ def live_ranks(engine: DPClient) -> list[str]:
 class SteadyLoad:
     """Submits requests one after another from a few workers; checks each output."""
 
-    def __init__(self, engine: DPClient, workers: int = 4) -> None:
+    def __init__(self, engine: Engine, workers: int = 4) -> None:
         self.engine = engine
         self.workers = workers
         self.stop = anyio.Event()
         self.finished: dict[str, list] = {}
         self.started = 0
+        self._finished_one = anyio.Event()
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -82,11 +83,13 @@ class SteadyLoad:
             assert tokens_of(deltas) == expected_tokens(prompt, 12), request_id
             assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
             assert deltas[-1].finish_reason == "length"
+            self._finished_one.set()
+            self._finished_one = anyio.Event()
 
     async def wait_for(self, count: int) -> None:
         target = len(self.finished) + count
         while len(self.finished) < target:
-            await self.engine.request_done.wait()
+            await self._finished_one.wait()
 
 
 async def test_scale_walk_under_load_loses_nothing_and_balances_over_new_ranks() -> None:
@@ -102,16 +105,16 @@ async def test_scale_walk_under_load_loses_nothing_and_balances_over_new_ranks()
                     assert len(live_ranks(engine)) == size
                     # One counter per rank of the new size: a pick of a removed rank
                     # would fail the request (no counter, no channel).
-                    assert len(engine.requests_per_rank) == size
-                    before = list(engine.requests_per_rank)
+                    before = (await engine.stats()).requests_per_rank
+                    assert len(before) == size
                     await load.wait_for(4 * size + 4)
-                    after = engine.requests_per_rank
+                    after = (await engine.stats()).requests_per_rank
                     assert after[size - 1] > before[size - 1]  # the newest rank serves
                 load.stop.set()
             assert load.started == len(load.finished)
             stats = await engine.stats()
             assert [r.rank for r in stats.ranks] == [0, 1]
-            assert sum(r.engine.num_running + r.engine.num_waiting for r in stats.ranks) == 0
+            assert sum(r.core.num_running + r.core.num_waiting for r in stats.ranks) == 0
 
 
 async def test_a_rank_added_by_a_scale_is_watched_like_the_first_ones() -> None:
@@ -126,7 +129,7 @@ async def test_a_rank_added_by_a_scale_is_watched_like_the_first_ones() -> None:
             assert tokens_of(deltas) == expected_tokens("before", 5)
             stream = engine.generate("endless", SamplingParams(max_tokens=10**6), dp_rank=1)
             await stream.__anext__()
-            os.kill(engine.wiring.processes["rank 1"].pid, signal.SIGKILL)
+            os.kill(wiring_of(engine).processes["rank 1"].pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError, match="rank 1 died"):
                 async for _ in stream:
                     pass
@@ -141,7 +144,7 @@ async def engine():
         yield dp_engine
 
 
-async def test_scale_while_paused_is_refused_and_bad_sizes_are_refused(engine: DPClient) -> None:
+async def test_scale_while_paused_is_refused_and_bad_sizes_are_refused(engine: Engine) -> None:
     """The choice: refused while the user has paused (the scale ends with a resume)."""
     with anyio.fail_after(HANG_GUARD):
         await engine.pause(PauseMode.KEEP)
@@ -156,7 +159,7 @@ async def test_scale_while_paused_is_refused_and_bad_sizes_are_refused(engine: D
         assert tokens_of(deltas) == expected_tokens("unchanged", 5)
 
 
-async def test_scale_down_drain_timeout_aborts_what_is_left_visibly(engine: DPClient) -> None:
+async def test_scale_down_drain_timeout_aborts_what_is_left_visibly(engine: Engine) -> None:
     with anyio.fail_after(HANG_GUARD):
         stream = engine.generate("endless", SamplingParams(max_tokens=10**6), dp_rank=1)
         first = await stream.__anext__()
@@ -174,7 +177,7 @@ async def test_scale_down_drain_timeout_aborts_what_is_left_visibly(engine: DPCl
         assert tokens_of(deltas) == expected_tokens("later", 5)
 
 
-async def test_second_scale_while_one_is_active_is_refused_at_once(engine: DPClient) -> None:
+async def test_second_scale_while_one_is_active_is_refused_at_once(engine: Engine) -> None:
     refused: list[Exception] = []
 
     async def second() -> None:

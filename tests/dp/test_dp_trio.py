@@ -8,10 +8,9 @@ import signal
 
 import anyio
 import pytest
-from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens_of
+from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens_of, wiring_of
 
-from wavecore.engine.async_engine import open_engine
-from wavecore.engine.dp.client import open_dp_engine
+from wavecore.engine.api import open_dp_engine, open_engine
 from wavecore.engine.errors import EngineDeadError
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.statemachines.rank import PauseMode
@@ -34,7 +33,9 @@ async def test_generate_pause_resume_over_tcp_on_trio(dp_mode: str) -> None:
     prompts = [f"trio {i}" for i in range(8)]
     with anyio.fail_after(HANG_GUARD):
         async with open_engine(null_config(transport="tcp", dp_mode=dp_mode)) as engine:
-            assert all(a.startswith("tcp://127.0.0.1:") for a in engine.wiring.addresses.values())
+            assert all(
+                a.startswith("tcp://127.0.0.1:") for a in wiring_of(engine).addresses.values()
+            )
             async with anyio.create_task_group() as tg:
                 for prompt in prompts[:4]:
                     tg.start_soon(run, prompt)
@@ -61,7 +62,7 @@ async def test_rank_death_and_cancellation_on_trio() -> None:
         async with open_dp_engine(null_config()) as engine:
             stream = engine.generate("doomed", SamplingParams(max_tokens=1_000_000), dp_rank=0)
             await stream.__anext__()
-            os.kill(engine.wiring.processes["rank 0"].pid, signal.SIGKILL)
+            os.kill(wiring_of(engine).processes["rank 0"].pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError, match="rank 0 died"):
                 async for _ in stream:
                     pass
@@ -69,5 +70,5 @@ async def test_rank_death_and_cancellation_on_trio() -> None:
             async with open_dp_engine(null_config(dp_mode="independent")) as second:
                 scope.cancel()
                 await anyio.sleep_forever()
-    for process in [*engine.wiring.processes.values(), *second.wiring.processes.values()]:
+    for process in [*wiring_of(engine).processes.values(), *wiring_of(second).processes.values()]:
         assert not process.is_alive()

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from wavecore.engine.dp.collective import CollectiveMismatchError, DPGroup
-from wavecore.engine.dp.load_balancer import LoadBalancer
+from wavecore.engine.frontend.load_balancer import LoadBalancer
 from wavecore.statemachines.errors import LockstepDriftError
 from wavecore.statemachines.rank import RankMachine, RequestArrived, StepDone, SyncDone
 
@@ -53,7 +53,7 @@ def test_sync_reduces_work_votes_and_spans() -> None:
 
 def test_drift_becomes_a_lockstep_drift_error_naming_the_counters() -> None:
     machine = RankMachine(0, 2, sync_interval=4)
-    machine.handle(RequestArrived(wave=0))
+    machine.handle(RequestArrived(request_id="r", wave=0))
     machine.handle(StepDone(executed=True, has_unfinished=True))  # step 1: a sync
     with pytest.raises(LockstepDriftError, match=r"step_counter 1 here, 1\.\.2"):
         machine.handle(

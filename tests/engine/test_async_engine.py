@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from wavecore.engine.async_engine import open_engine
+from wavecore.engine.api import open_engine
 from wavecore.engine.errors import (
     DuplicateRequestError,
     EmptyPromptError,
@@ -14,9 +14,10 @@ from wavecore.engine.errors import (
     InvalidRequestError,
     PauseInProgressError,
     PromptTooLongError,
+    ScalingRefusedError,
     UnknownRequestError,
 )
-from wavecore.engine.null_executor import null_continuation
+from wavecore.engine.executors.null_executor import null_continuation
 from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.statemachines import PauseMode
@@ -217,7 +218,14 @@ async def test_bad_utility_arguments_are_refused() -> None:
         with pytest.raises(InvalidRequestError, match="unknown wake_up tag"):
             await engine.wake_up(["brain"])
         with pytest.raises(InvalidRequestError, match="pause mode"):
-            await engine.pause("keep")  # type: ignore[arg-type]
+            await engine.pause("frozen")  # type: ignore[arg-type]
+
+
+async def test_a_one_rank_engine_refuses_to_scale() -> None:
+    async with open_engine(executor="null") as engine:
+        with pytest.raises(ScalingRefusedError, match="dp_size >= 2"):
+            await engine.scale(2)
+        assert engine.dp_size == 1
 
 
 async def test_calls_after_the_block_ends_raise_engine_closed() -> None:

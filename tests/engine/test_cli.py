@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from wavecore.engine.cli import UsageError, build_parser, load_jobs, main
+from wavecore.engine.cli.main import UsageError, build_parser, load_jobs, main
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:

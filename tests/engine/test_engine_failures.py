@@ -8,12 +8,12 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from wavecore.engine.async_engine import open_engine_core
-from wavecore.engine.batch import ModelBatch, ModelOutput
+from wavecore.engine.api import open_engine_core
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.core import EngineCore
+from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.errors import EngineDeadError
-from wavecore.engine.null_executor import NullExecutor
+from wavecore.engine.executors.batch import ModelBatch, ModelOutput
+from wavecore.engine.executors.null_executor import NullExecutor
 from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
 from wavecore.engine.sampling_params import SamplingParams
 

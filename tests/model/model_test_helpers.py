@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from wavecore.engine.batch import Executor, ModelBatch, SampledToken, SequenceChunk
+from wavecore.engine.executors.batch import Executor, ModelBatch, SampledToken, SequenceChunk
 from wavecore.engine.model import load_executor
 from wavecore.engine.sampling_params import SamplingParams
 

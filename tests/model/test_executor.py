@@ -9,10 +9,9 @@ import pytest
 import torch
 from model_test_helpers import ArgmaxSampler, GreedyRunner, greedy_alone
 
-from wavecore.engine.batch import ModelBatch, SequenceChunk
+from wavecore.engine.executors.batch import ModelBatch, SequenceChunk
+from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosedError
 from wavecore.engine.model import (
-    ExecutorAsleepError,
-    ExecutorClosedError,
     InvalidBatchError,
     ModelExecutor,
     load_executor,

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wavecore.engine.batch import SequenceChunk
+from wavecore.engine.executors.batch import SequenceChunk
 from wavecore.engine.model import batch_plan
 from wavecore.engine.model.attention import paged_attention
 from wavecore.engine.model.batch_plan import CacheGeometry, decode_groups, plan_forward

@@ -11,7 +11,7 @@ import pytest
 import torch
 from model_test_helpers import GreedyRunner
 
-from wavecore.engine.batch import ModelBatch, SequenceChunk
+from wavecore.engine.executors.batch import ModelBatch, SequenceChunk
 from wavecore.engine.model import ModelExecutor
 from wavecore.engine.sampling_params import SamplingParams
 

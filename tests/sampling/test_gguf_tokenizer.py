@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wavecore.engine.gguf_format import GGUFFormatError, read_gguf_metadata
+from wavecore.engine.model.gguf_format import GGUFFormatError, read_gguf_metadata
 from wavecore.engine.sampling.chat_template import ChatTemplateError
 from wavecore.engine.sampling.errors import TokenizerLoadError
 from wavecore.engine.sampling.gguf_tokenizer import byte_alphabet

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wavecore.engine.batch import SequenceChunk
+from wavecore.engine.executors.batch import SequenceChunk
 from wavecore.engine.sampling.logits_processing import (
     apply_output_penalties,
     apply_repetition_penalty,

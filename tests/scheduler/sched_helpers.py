@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from wavecore.engine.null_executor import NullExecutor, null_continuation
+from wavecore.engine.executors.null_executor import NullExecutor, null_continuation
 from wavecore.engine.scheduler import Scheduler, SchedulerConfig
 from wavecore.statemachines.request import FinishReason
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from wavecore.engine.batch import SampledToken, SequenceChunk
+from wavecore.engine.executors.batch import SampledToken, SequenceChunk
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.scheduler import RequestUpdate
 from wavecore.engine.scheduler.fast_build import (

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from wavecore.engine.batch import ModelBatch, SequenceChunk
-from wavecore.engine.null_executor import (
-    ExecutorAsleepError,
-    ExecutorClosedError,
+from wavecore.engine.executors.batch import ModelBatch, SequenceChunk
+from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosedError
+from wavecore.engine.executors.null_executor import (
     KVCacheMismatchError,
     NullExecutor,
     null_next_token,

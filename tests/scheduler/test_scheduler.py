@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 from sched_helpers import EOS, VOCAB, Transcript, expected_outputs, make, run, step
 
-from wavecore.engine.batch import ModelOutput, SampledToken
+from wavecore.engine.executors.batch import ModelOutput, SampledToken
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.scheduler import (
     DuplicateRequestError,
     InvalidPromptError,
     OutputMismatchError,
-    PauseState,
     PromptTooLongError,
     Scheduler,
     SchedulerConfig,
     StepOrderError,
 )
+from wavecore.statemachines import PauseMode
 from wavecore.statemachines.errors import ProtocolError
 from wavecore.statemachines.request import FinishReason, RequestState
 
@@ -302,21 +302,21 @@ def test_pause_states() -> None:
     step(scheduler, executor, transcript)
     scheduler.add("new", _prompt(2, 4), SamplingParams(max_tokens=2))
 
-    scheduler.set_pause(PauseState.PAUSED_ALL)
+    scheduler.set_pause(PauseMode.KEEP)
     output = scheduler.schedule()
     assert output.is_empty and not scheduler.has_work() and scheduler.has_unfinished()
     assert scheduler.update(output, executor.execute(output.batch)) == []
 
-    scheduler.set_pause(PauseState.PAUSED_NEW)
+    scheduler.set_pause(PauseMode.WAIT)
     assert scheduler.has_work()
     while scheduler.has_work():
         step(scheduler, executor, transcript)
     assert transcript.reasons == {"running": FinishReason.LENGTH}
     assert scheduler.num_waiting == 1 and scheduler.has_unfinished()
 
-    scheduler.set_pause(PauseState.UNPAUSED)
+    scheduler.set_pause(None)
     run(scheduler, executor)
-    with pytest.raises(TypeError, match="PauseState"):
+    with pytest.raises(TypeError, match="PauseMode"):
         scheduler.set_pause("PAUSED_ALL")  # type: ignore[arg-type]
 
 
@@ -329,7 +329,7 @@ def test_paused_new_still_resumes_preempted_requests() -> None:
     step(scheduler, executor, transcript)  # preempts "new"
     assert scheduler.get_request("new").state is RequestState.PREEMPTED  # type: ignore[union-attr]
     scheduler.add("fresh", [7, 8], SamplingParams(max_tokens=2))
-    scheduler.set_pause(PauseState.PAUSED_NEW)
+    scheduler.set_pause(PauseMode.WAIT)
     while scheduler.has_work():
         step(scheduler, executor, transcript)
     assert set(transcript.reasons) == {"old", "new"}

@@ -27,9 +27,9 @@ from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.scheduler import (
     BlockManager,
     BlockPoolExhaustedError,
-    PauseState,
     PromptTooLongError,
 )
+from wavecore.statemachines import PauseMode
 from wavecore.statemachines.request import FinishReason, RequestState
 
 # A tiny alphabet, so that prompts share prefixes and the prefix cache gets hits.
@@ -222,9 +222,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.cut_short.add(request_id)
         self.live.discard(request_id)
 
-    @rule(state=st.sampled_from(PauseState))
-    def pause(self, state: PauseState) -> None:
-        self.scheduler.set_pause(state)
+    @rule(mode=st.sampled_from([None, *PauseMode]))
+    def pause(self, mode: PauseMode | None) -> None:
+        self.scheduler.set_pause(mode)
 
     @rule()
     def drop_kv_cache(self) -> None:
@@ -261,7 +261,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "scheduler"):
             return
         scheduler = self.scheduler
-        scheduler.set_pause(PauseState.UNPAUSED)
+        scheduler.set_pause(None)
         for _ in range(2000):
             if not scheduler.has_unfinished():
                 break
@@ -272,7 +272,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # A pool so large nothing is ever preempted, with the same length cap.
         limits = {**self.limits, "max_model_len": scheduler.config.max_sequence_len}
         reference, executor = make(num_kv_blocks=4096, **limits)
-        reference.set_pause(PauseState.UNPAUSED)
+        reference.set_pause(None)
         for request_id, (prompt, sampling) in self.requests.items():
             reference.add(request_id, prompt, sampling)
         expected = Transcript()

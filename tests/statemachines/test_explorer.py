@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from wavecore.statemachines.explore import default_configs, explore
+from wavecore.statemachines.harness.explore import default_configs, explore
 from wavecore.statemachines.sim import main
 
 

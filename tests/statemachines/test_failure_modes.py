@@ -1,7 +1,7 @@
 """One regression per numbered failure mode of protocol.md (1-11, 15).
 
 Each test runs the real machines and a deliberately broken variant of the rule it
-guards (``wavecore.statemachines.variants``) through the same exhaustive exploration
+guards (``wavecore.statemachines.harness.variants``) through the same exhaustive exploration
 or simulation: the real protocol must pass, the broken one must be caught.
 """
 
@@ -10,19 +10,18 @@ from __future__ import annotations
 import pytest
 
 from wavecore.statemachines import (
-    GroupPrepared,
     PauseMode,
+    RanksReady,
     ReconfigurationActiveError,
     ScaleAborted,
-    ScaleDirection,
     ScalePhase,
     ScaleRequested,
-    ScaleRole,
     ScalingMachine,
 )
-from wavecore.statemachines.explore import ExploreConfig, explore
+from wavecore.statemachines.harness.explore import ExploreConfig, explore
+from wavecore.statemachines.harness.world import RequestSpec, WorldConfig
+from wavecore.statemachines.scaling import ScalingSnapshot
 from wavecore.statemachines.sim import Simulation
-from wavecore.statemachines.world import RequestSpec, WorldConfig
 
 ONE_REQUEST = (RequestSpec(rank=1, steps=1),)
 PAUSE_KEEP = ("pause", PauseMode.KEEP)
@@ -108,7 +107,7 @@ def test_pause_of_an_idle_engine_costs_one_forward(variant: str | None, expected
     sim.pause(PauseMode.KEEP)
     sim.run()
     assert sim.world.client.paused
-    assert [loop.forwards for loop in sim.world.loops] == [expected, expected]
+    assert [toy.forwards for toy in sim.world.toys] == [expected, expected]
 
 
 def test_request_during_sleep_waits_visibly() -> None:
@@ -123,8 +122,11 @@ def test_first_request_for_the_current_wave_starts_a_wave() -> None:
 class _StuckAfterAbort(ScalingMachine):
     """Failure mode 15 broken: an aborted scale stays 'active'."""
 
-    def abort_target(self) -> ScalePhase:
-        return ScalePhase.PREPARING
+    def on_aborted(
+        self, state: ScalingSnapshot, event: ScaleAborted
+    ) -> tuple[ScalingSnapshot, tuple[object, ...]]:
+        _, actions = super().on_aborted(state, event)
+        return state, actions
 
 
 @pytest.mark.parametrize(
@@ -133,14 +135,14 @@ class _StuckAfterAbort(ScalingMachine):
 def test_failed_scale_does_not_stay_active_forever(
     machine_class: type[ScalingMachine], recovers: bool
 ) -> None:
-    machine = machine_class(ScaleRole.EXISTING)
-    machine.handle(ScaleRequested(direction=ScaleDirection.UP, dp_size=3))
-    machine.handle(GroupPrepared())
+    machine = machine_class()
+    machine.handle(ScaleRequested(old_dp_size=2, dp_size=3))
+    machine.handle(RanksReady())
     machine.handle(ScaleAborted(reason="new rank failed to load"))
-    retry = ScaleRequested(direction=ScaleDirection.UP, dp_size=3)
+    retry = ScaleRequested(old_dp_size=2, dp_size=3)
     if recovers:
         machine.handle(retry)
-        assert machine.phase is ScalePhase.PREPARING
+        assert machine.phase is ScalePhase.STARTING
     else:
         with pytest.raises(ReconfigurationActiveError):
             machine.handle(retry)

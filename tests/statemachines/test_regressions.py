@@ -15,8 +15,13 @@ from wavecore.statemachines import (
     Resize,
     WaveCompleted,
 )
-from wavecore.statemachines.explore import ExploreConfig, explore, scale_configs, scale_script
-from wavecore.statemachines.world import CLIENT, RequestSpec, World, WorldConfig
+from wavecore.statemachines.harness.explore import (
+    ExploreConfig,
+    explore,
+    scale_configs,
+    scale_script,
+)
+from wavecore.statemachines.harness.world import CLIENT, RequestSpec, World, WorldConfig
 
 
 def _settle(world: World) -> None:
@@ -59,27 +64,44 @@ def test_a_wake_reply_does_not_answer_the_next_sleep() -> None:
 # -- scaling -----------------------------------------------------------------------------
 
 
+def _finish_scale(world: World) -> None:
+    """Deliver and step, and take the scale's next part whenever nothing else moves."""
+    while True:
+        _settle(world)
+        moves = world.scale_moves()
+        if not moves:
+            return
+        world.apply(moves[0])
+
+
 def test_a_joining_rank_holds_requests_until_the_resume() -> None:
     world = World.start(WorldConfig(dp_size=2))
-    world.client_op(("scale_prepare", 3))
-    # The joining rank's machine starts paused; its scheduler must be paused too.
-    assert world.loops[2].scheduler_pause is PauseMode.KEEP
-    _settle(world)
-    world.client_op(("scale_commit",))
-    # Until the coordinator confirms the new group the client neither resumes nor
-    # uses the new rank: a new rank's messages would reach a coordinator without it.
-    assert world.refusal(("resume",)) is not None
+    world.client_op(("scale", 3))
+    # The joining rank's machine starts paused, and its first action pauses its
+    # scheduler too.
+    assert world.toys[2].scheduler_pause is PauseMode.KEEP
+    # Until the tables grow (after the coordinator confirmed the new group) the client
+    # does not use the new rank: its messages would reach a coordinator without it.
     world.submit(RequestSpec(rank=2))
-    assert (CLIENT, 0) in world.channels and (CLIENT, 2) not in world.channels
-    _settle(world)
-    assert world.client.group == 3 and world.refusal(("resume",)) is None
+    assert (CLIENT, 0) in world.network and (CLIENT, 2) not in world.network
+    _finish_scale(world)
+    assert world.client.group == 3 and not world.scaler.active
     world.submit(RequestSpec(rank=2, steps=2))
-    _settle(world)
-    assert world.client.held == {0, 1} and not world.client.done
-    world.client_op(("resume",))
     _settle(world)
     world.check_quiescent()
     assert world.client.done == {0, 1}
+
+
+def test_a_scale_down_drains_or_aborts_the_leaving_rank() -> None:
+    for timeout in (False, True):
+        world = World.start(WorldConfig(dp_size=2))
+        world.submit(RequestSpec(rank=1, steps=3))
+        world.client_op(("scale", 1))
+        if timeout:
+            world.apply(("drain_timeout",))
+        _finish_scale(world)
+        world.check_quiescent()
+        assert world.client.done == {0} and world.client.group == 1 and len(world.loops) == 1
 
 
 def test_coordinator_ignores_late_news_from_a_departed_rank() -> None:

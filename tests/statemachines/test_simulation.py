@@ -52,7 +52,7 @@ class DeploymentRules(RuleBasedStateMachine):
     @rule(dp_size=st.sampled_from([1, 2, 3]))
     def scale(self, dp_size: int) -> None:
         world = self.sim.world
-        allowed = world.refusal(("scale_prepare", dp_size)) is None
+        allowed = world.refusal(("scale", dp_size)) is None
         if dp_size != world.client.group and allowed and not self.sim.reconfiguring:
             self.sim.scale(dp_size)
 

@@ -8,34 +8,36 @@ from itertools import product
 import pytest
 
 from wavecore.statemachines import (
-    CommitRequested,
     CoordinatorMachine,
     CoordinatorPhase,
+    CoordinatorResized,
+    Drained,
     FirstRequest,
-    GroupPrepared,
     PauseMode,
     PauseRequested,
     PauseState,
     ProtocolError,
     RankMachine,
     RankPhase,
+    RanksPaused,
+    RanksReady,
     RankStartedWave,
     RankStats,
     Reconfigured,
     RequestArrived,
     Resize,
+    Resumed,
     ResumeRequested,
     ResumeSynced,
     ScaleAborted,
-    ScaleDirection,
     ScalePhase,
     ScaleRequested,
-    ScaleRole,
     ScalingMachine,
     SleepRequested,
     StartWave,
     StepDone,
     SwitchDone,
+    SwitchRequested,
     SyncDone,
     WakeUpRequested,
     WaveCompleted,
@@ -45,8 +47,8 @@ from wavecore.statemachines.rank import RankSnapshot
 from wavecore.statemachines.scaling import ScalingSnapshot
 
 RANK_EVENTS = [
-    RequestArrived(wave=0),
-    RequestArrived(wave=3),
+    RequestArrived(request_id="a", wave=0),
+    RequestArrived(request_id="b", wave=3),
     StartWave(wave=1, exclude_rank=0),
     StartWave(wave=2, exclude_rank=1),
     StepDone(executed=True, has_unfinished=True),
@@ -60,10 +62,13 @@ RANK_EVENTS = [
     ResumeRequested(),
     ResumeSynced(any_unfinished=True),
     ResumeSynced(any_unfinished=False),
-    SleepRequested(level=1),
+    *(SleepRequested(level=level, mode=mode) for level in (0, 1, 2) for mode in PauseMode),
     WakeUpRequested(),
     WakeUpRequested(tags=frozenset({"weights"})),
-    Reconfigured(rank=1, dp_size=3, wave=2, running=False, step_counter=0),
+    WakeUpRequested(tags=frozenset({"scheduling"})),
+    SwitchRequested(dp_size=3),
+    Reconfigured(rank=1, dp_size=3, wave=2, running=False, step_counter=1),
+    Reconfigured(rank=1, dp_size=3, wave=2, running=True, step_counter=1),
 ]
 
 
@@ -75,7 +80,9 @@ def _consistent(
         return False
     if asleep and pause is not PauseState.PAUSED:
         return False
-    if pause is PauseState.PAUSED and phase is not RankPhase.IDLE:
+    if pause is PauseState.PAUSED and phase not in (RankPhase.IDLE, RankPhase.SWITCHING):
+        return False
+    if phase is RankPhase.SWITCHING and pause is not PauseState.PAUSED:
         return False
     if phase is RankPhase.BARRIER and (pause is not PauseState.UNPAUSED or not lockstep):
         return False
@@ -156,26 +163,30 @@ def test_coordinator_every_state_and_event(phase: CoordinatorPhase) -> None:
 
 
 SCALING_EVENTS = [
-    ScaleRequested(direction=ScaleDirection.UP, dp_size=3),
-    ScaleRequested(direction=ScaleDirection.DOWN, dp_size=1),
-    GroupPrepared(),
-    CommitRequested(),
+    ScaleRequested(old_dp_size=2, dp_size=3),
+    ScaleRequested(old_dp_size=2, dp_size=1),
+    RanksReady(),
+    Drained(),
+    RanksPaused(),
     SwitchDone(),
+    CoordinatorResized(),
+    Resumed(),
     ScaleAborted(reason="test"),
 ]
 
 
-@pytest.mark.parametrize(("role", "phase"), list(product(ScaleRole, ScalePhase)))
-def test_scaling_every_state_and_event(role: ScaleRole, phase: ScalePhase) -> None:
-    snapshot = ScalingSnapshot(phase=phase, direction=ScaleDirection.UP, dp_size=3)
+@pytest.mark.parametrize(("phase", "old", "new"), list(product(ScalePhase, (2,), (1, 3))))
+def test_scaling_every_state_and_event(phase: ScalePhase, old: int, new: int) -> None:
+    snapshot = ScalingSnapshot(phase=phase, old_dp_size=old, dp_size=new)
     for event in SCALING_EVENTS:
-        machine = ScalingMachine(role)
+        machine = ScalingMachine()
         machine.restore(snapshot)
         transition = ScalingMachine.TRANSITIONS.get((phase, type(event)))
         try:
             machine.handle(event)
-        except ProtocolError:
+        except ProtocolError as error:
             assert machine.snapshot() == snapshot
+            assert "ScalingMachine" in str(error) and phase.name in str(error)
             continue
         assert transition is not None
         assert machine.phase in transition.targets
@@ -183,7 +194,7 @@ def test_scaling_every_state_and_event(role: ScaleRole, phase: ScalePhase) -> No
 
 def test_a_sync_with_drift_fails_loudly() -> None:
     machine = RankMachine(0, 2, sync_interval=4)
-    machine.handle(RequestArrived(wave=0))
+    machine.handle(RequestArrived(request_id="r", wave=0))
     machine.handle(StepDone(executed=True, has_unfinished=True))
     before = machine.snapshot()
     with pytest.raises(ProtocolError, match=r"step_counter 1 here, 1\.\.3"):
@@ -205,4 +216,4 @@ def test_bad_event_fields_get_specific_errors() -> None:
     with pytest.raises(ValueError, match="unknown"):
         WakeUpRequested(tags=frozenset({"gpu"}))
     with pytest.raises(ValueError, match="wave must be >= 0"):
-        RequestArrived(wave=-1)
+        RequestArrived(request_id="r", wave=-1)

@@ -1,39 +1,27 @@
 """`EngineCore`: one rank's engine, synchronous: a scheduler over an executor.
 
-It knows nothing of tasks or threads. The async engine calls `schedule()` and
-`update()` on its event loop and `execute()` on its model thread; `step()` does all
-three in a row for synchronous callers (tests, benchmarks).
-
-Pausing, sleeping and waking on one rank:
-
-1. `pause(ABORT)` finishes every request as aborted, then admits nothing new;
-   `pause(WAIT)` admits nothing new and lets running requests finish; `pause(KEEP)`
-   schedules nothing and keeps every request. Requests added while paused queue.
-   `pause_complete()` says when the pause holds (for WAIT: nothing left running).
-2. `resume()` schedules normally again; it is refused while asleep.
-3. `prepare_sleep(level)` (after a KEEP pause) drops the prefix cache and sends the
-   running requests back to waiting, since the executor is about to drop their KV
-   blocks; the executor then sleeps. Everything is asleep: "weights", "kv_cache" and
-   "scheduling". `wake_up(tags)` wakes those tags; scheduling resumes only when
-   nothing is asleep any more.
+It knows nothing of tasks, threads or the protocol. The rank loop's driver
+(`core.rank_runner`) calls `schedule()` and `update()` on its event loop and
+`execute()` on its model thread, and performs the rank machine's actions on it:
+`pause_scheduler(mode)` / `resume_scheduler()` (ABORT finishes every request as
+aborted, then admits nothing new; WAIT admits nothing new and lets running requests
+finish; KEEP schedules nothing and keeps every request), and around the executor's
+sleep `drop_kv_cache()`, which sends running requests back to waiting to be
+recomputed. Whether the rank is paused or asleep is the machine's state, not the
+core's. `step()` does schedule, execute and update in a row for synchronous callers
+(tests, benchmarks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 
-from wavecore.engine.batch import Executor, ModelOutput
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.errors import (
-    DuplicateRequestError,
-    EngineAsleepError,
-    InvalidRequestError,
-    PromptTooLongError,
-)
-from wavecore.engine.input_processor import EngineRequest, InputProcessor, PromptTokenizer
+from wavecore.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
+from wavecore.engine.executors.batch import Executor, ModelOutput
+from wavecore.engine.interface import CoreStats
+from wavecore.engine.request import EngineRequest, PromptTokenizer
 from wavecore.engine.scheduler import (
-    PauseState,
     RequestUpdate,
     Scheduler,
     SchedulerConfig,
@@ -42,32 +30,10 @@ from wavecore.engine.scheduler import (
 from wavecore.engine.scheduler import errors as scheduler_errors
 from wavecore.statemachines import FinishReason, PauseMode
 
-SLEEP_TAGS = frozenset({"weights", "kv_cache", "scheduling"})
-_EXECUTOR_TAGS = frozenset({"weights", "kv_cache"})
 # The null executor stands in for a model of about this KV footprint per block.
 _NULL_BYTES_PER_BLOCK = 16 * 2**10
 _NULL_NOMINAL_MEMORY = 2**30
 _NULL_MAX_MODEL_LEN = 8192
-_PAUSE_STATES = {
-    PauseMode.ABORT: PauseState.PAUSED_NEW,
-    PauseMode.WAIT: PauseState.PAUSED_NEW,
-    PauseMode.KEEP: PauseState.PAUSED_ALL,
-}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineStats:
-    """A snapshot of one engine. `paused` and `asleep` say why requests may be waiting."""
-
-    num_waiting: int
-    num_running: int
-    kv_usage: float
-    prefix_cache_hit_rate: float
-    num_kv_blocks: int
-    block_size: int
-    paused: str | None
-    asleep: tuple[str, ...]
-    weight_version: str | None
 
 
 class EngineCore:
@@ -90,9 +56,6 @@ class EngineCore:
                 eos_token_id=eos_token_id,
             )
         )
-        self.inputs = InputProcessor(tokenizer, max_model_len=executor.max_model_len)
-        self._pause_mode: PauseMode | None = None
-        self._asleep: frozenset[str] = frozenset()
         self.weight_version: str | None = None
 
     @classmethod
@@ -132,7 +95,7 @@ class EngineCore:
 
     @classmethod
     def _with_null_executor(cls, config: EngineConfig) -> EngineCore:
-        from wavecore.engine.null_executor import NullExecutor
+        from wavecore.engine.executors.null_executor import NullExecutor
         from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
 
         tokenizer = ByteTokenizer()
@@ -202,83 +165,42 @@ class EngineCore:
             return []
         return self.update(step, self.execute(step))
 
-    # -- pause, sleep, wake ------------------------------------------------------------
+    # -- performing the rank machine's actions -----------------------------------------
 
-    @staticmethod
-    def check_pause_mode(mode: PauseMode) -> None:
-        if not isinstance(mode, PauseMode):
-            raise InvalidRequestError(f"pause mode must be a PauseMode, got {mode!r}")
-
-    def pause(self, mode: PauseMode) -> list[RequestUpdate]:
-        self.check_pause_mode(mode)
+    def pause_scheduler(self, mode: PauseMode) -> list[RequestUpdate]:
+        """The machine's `PauseScheduler`; the updates of the requests an ABORT ended."""
         updates = (
             [_aborted(i) for i in self.scheduler.abort_all()] if mode is PauseMode.ABORT else []
         )
-        self._pause_mode = mode
-        self.scheduler.set_pause(_PAUSE_STATES[mode])
+        self.scheduler.set_pause(mode)
         return updates
 
-    def pause_complete(self) -> bool:
-        return self._pause_mode is not None and not self.scheduler.has_work()
+    def resume_scheduler(self) -> None:
+        self.scheduler.set_pause(None)
 
-    def resume(self) -> None:
-        if self._asleep:
-            raise EngineAsleepError(
-                f"cannot resume while asleep ({', '.join(sorted(self._asleep))}); "
-                f"call wake_up first"
-            )
-        self._pause_mode = None
-        self.scheduler.set_pause(PauseState.UNPAUSED)
-
-    @staticmethod
-    def check_sleep_level(level: int) -> None:
-        if level not in (1, 2):
-            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
-
-    @staticmethod
-    def check_wake_tags(tags: Sequence[str] | None) -> frozenset[str]:
-        if tags is None:
-            return SLEEP_TAGS
-        if isinstance(tags, str):
-            raise InvalidRequestError(f"wake_up takes a list of tags, not the string {tags!r}")
-        unknown = set(tags) - SLEEP_TAGS
-        if unknown:
-            raise InvalidRequestError(
-                f"unknown wake_up tag(s) {sorted(unknown)}; known: {sorted(SLEEP_TAGS)}"
-            )
-        return frozenset(tags)
-
-    def prepare_sleep(self, level: int) -> None:
-        self.check_sleep_level(level)
+    def drop_kv_cache(self) -> None:
+        """Before the executor drops its KV cache: cached prefixes go, and running
+        requests go back to waiting, to be recomputed after the wake-up."""
         self.scheduler.reset_prefix_cache()
         self.scheduler.preempt_all()
-        self._asleep = SLEEP_TAGS
-
-    def wake_executor_tags(self, tags: frozenset[str]) -> frozenset[str]:
-        """The tags the executor itself must wake (those still asleep)."""
-        return tags & self._asleep & _EXECUTOR_TAGS
-
-    def finish_wake_up(self, tags: frozenset[str]) -> None:
-        self._asleep -= tags
-        if not self._asleep and self._pause_mode is not None:
-            self.resume()
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
 
     # -- reporting ---------------------------------------------------------------------
 
-    def stats(self) -> EngineStats:
+    def stats(self, *, paused: PauseMode | None, asleep: frozenset[str]) -> CoreStats:
+        """This core's figures, with the protocol state the rank machine holds."""
         scheduler = self.scheduler.stats()
-        return EngineStats(
+        return CoreStats(
             num_waiting=scheduler.num_waiting,
             num_running=scheduler.num_running,
             kv_usage=scheduler.kv_usage,
             prefix_cache_hit_rate=scheduler.prefix_cache_hit_rate,
             num_kv_blocks=self.executor.num_kv_blocks,
             block_size=self.executor.block_size,
-            paused=None if self._pause_mode is None else self._pause_mode.name.lower(),
-            asleep=tuple(sorted(self._asleep)),
+            paused=None if paused is None else paused.value,
+            asleep=tuple(sorted(asleep)),
             weight_version=self.weight_version,
         )
 

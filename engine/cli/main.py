@@ -7,7 +7,8 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
@@ -17,9 +18,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
+from wavecore.engine.cli.demo_prompts import DEMO_PROMPTS
+from wavecore.engine.cli.latency import RequestTimer, RunSummary
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.demo_prompts import DEMO_PROMPTS
-from wavecore.engine.latency import RequestTimer, RunSummary
+from wavecore.engine.interface import Engine
 from wavecore.engine.sampling_params import SamplingParams
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -144,7 +146,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         raise UsageError(str(error)) from None
 
 
-async def _run_job(engine: Any, job: PromptJob, on_text: Any) -> None:
+async def _run_job(engine: Engine, job: PromptJob, on_text: Callable[[str], None]) -> None:
     job.timer = RequestTimer()
     async for delta in engine.generate(job.prompt, job.params):
         job.timer.tokens_arrived(len(delta.token_ids))
@@ -168,7 +170,7 @@ async def run_generate(
     async with _open_engine(args, config) as engine:
         loading.stop()
         start = time.perf_counter()
-        scale_at = _check_scale_at(args, engine)
+        scale_at = _check_scale_at(args)
         if len(jobs) == 1 and args.output is None and scale_at is None:
 
             def echo(text: str) -> None:
@@ -204,7 +206,7 @@ async def run_generate(
                         tg.start_soon(run_one, job)
         seconds = time.perf_counter() - start
         if rank_counts is not None:
-            rank_counts.extend(getattr(engine, "requests_per_rank", ()))
+            rank_counts.extend((await engine.stats()).requests_per_rank)
     return RunSummary.of(
         [job.timer for job in jobs if job.timer is not None],
         prompt_tokens=sum(job.prompt_tokens for job in jobs),
@@ -213,12 +215,12 @@ async def run_generate(
     )
 
 
-def _check_scale_at(args: argparse.Namespace, engine: Any) -> tuple[int, int] | None:
+def _check_scale_at(args: argparse.Namespace) -> tuple[int, int] | None:
     """`--scale-at REQS:SIZE`: after REQS requests finished, scale to SIZE ranks."""
     scale_at: tuple[int, int] | None = args.scale_at
     if scale_at is None:
         return None
-    if not hasattr(engine, "scale") or args.dp_master is not None:
+    if args.dp < 2 or args.dp_master is not None:
         raise UsageError("--scale-at needs a local data-parallel engine (--dp 2 or more)")
     return scale_at
 
@@ -232,20 +234,20 @@ def _scale_at(text: str) -> tuple[int, int]:
     return int(requests), int(size)
 
 
-def _open_engine(args: argparse.Namespace, config: EngineConfig) -> Any:
+def _open_engine(
+    args: argparse.Namespace, config: EngineConfig
+) -> AbstractAsyncContextManager[Engine]:
+    from wavecore.engine.api import open_dp_engine, open_engine
+
     if args.dp_master is None:
-        from wavecore.engine.async_engine import open_engine
-
         return open_engine(config)
-    from wavecore.engine.dp.client import open_dp_engine
-
     local = args.dp_local_ranks if args.dp_local_ranks is not None else args.dp
     return open_dp_engine(config, master=args.dp_master, local_ranks=range(local))
 
 
 def cmd_rank(args: argparse.Namespace) -> int:
     """Run one headless rank that joins the front end at `--master`; ends with it."""
-    from wavecore.engine.core import EngineCore
+    from wavecore.engine.core.engine_core import EngineCore
     from wavecore.engine.dp.rank_process import rank_main
 
     if not 0 <= args.dp_rank < args.dp:

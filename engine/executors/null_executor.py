@@ -20,18 +20,9 @@ weights or the KV cache are asleep raises `ExecutorAsleepError`, and anything af
 
 from __future__ import annotations
 
-from wavecore.engine.batch import ModelBatch, ModelOutput, SequenceChunk
+from wavecore.engine.executors.batch import EXECUTOR_TAGS, ModelBatch, ModelOutput, SequenceChunk
+from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosedError
 from wavecore.engine.scheduler.fast_build import build_sampled
-
-WAKE_TAGS = frozenset({"weights", "kv_cache"})
-
-
-class ExecutorAsleepError(RuntimeError):
-    """A forward pass was asked for while the weights or the KV cache are asleep."""
-
-
-class ExecutorClosedError(RuntimeError):
-    """The executor was used after `close()`."""
 
 
 class KVCacheMismatchError(RuntimeError):
@@ -181,9 +172,11 @@ class NullExecutor:
 
     def wake_up(self, tags: frozenset[str]) -> None:
         self._check_open("wake_up")
-        unknown = set(tags) - WAKE_TAGS
+        unknown = set(tags) - EXECUTOR_TAGS
         if unknown:
-            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; known: {sorted(WAKE_TAGS)}")
+            raise ValueError(
+                f"unknown wake_up tags {sorted(unknown)}; known: {sorted(EXECUTOR_TAGS)}"
+            )
         if "weights" in tags:
             self._weights_awake = True
         if "kv_cache" in tags and not self._kv_awake:

@@ -7,31 +7,10 @@ never reaches the engine loop or disturbs the requests already in flight.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 from wavecore.engine.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
+from wavecore.engine.request import EngineRequest, Prompt, PromptTokenizer
 from wavecore.engine.sampling_params import SamplingParams
-
-Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
-
-
-class PromptTokenizer(Protocol):
-    @property
-    def vocab_size(self) -> int: ...
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
-    ) -> str: ...
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineRequest:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
 
 
 class InputProcessor:

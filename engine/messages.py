@@ -2,8 +2,8 @@
 
 Every message is a frozen dataclass registered on `wavecore.channels.default_registry`,
 so a frame that does not decode to exactly these shapes is refused by the codec before
-any of our code sees it. `SamplingParams` and `EngineStats` are registered as they are:
-they are already frozen dataclasses of plain fields.
+any of our code sees it. `SamplingParams` and the stats types of `interface` are registered as
+they are: they are already frozen dataclasses of plain fields.
 
 Startup (over REQ/REP, client listening): a rank sends `RankHello`, gets its
 `RankAssignment`, loads its model and sends `RankReady` (or `RankStartupFailed`); the
@@ -16,11 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wavecore.channels import default_registry
-from wavecore.engine.core import EngineStats
+from wavecore.engine.interface import CoreStats, RankCounters, RankStats
 from wavecore.engine.sampling_params import SamplingParams
 
 default_registry.register(SamplingParams, tag=30600)
-default_registry.register(EngineStats, tag=30601)
+default_registry.register(CoreStats, tag=30601)
+default_registry.register(RankCounters, tag=30622)
+default_registry.register(RankStats, tag=30623)
 
 
 def _message(tag: int):  # type: ignore[no-untyped-def]
@@ -170,40 +172,13 @@ class StepOutputs:
             raise ValueError("StepOutputs token counts do not add up to its token ids")
 
 
-@_message(30622)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankCounters:
-    """Protocol counters of one rank, for stats() and the tests of waves."""
-
-    wave: int
-    step_counter: int
-    running: bool
-    real_steps: int
-    dummy_steps: int
-    syncs: int
-    waves_started: int
-    waves_completed: int
-    requests_added: int
-    requests_held: int
-    # Forwards (real or dummy) this rank ran from its last pause request to the pause.
-    last_pause_forwards: int
-
-
-@_message(30623)
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankStatsReport:
-    rank: int
-    engine: EngineStats
-    counters: RankCounters
-
-
 @_message(30624)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class UtilityResult:
     rank: int
     call_id: int
     error: str | None
-    stats: RankStatsReport | None = None
+    stats: RankStats | None = None
 
 
 @_message(30625)

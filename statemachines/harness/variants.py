@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .coordinator import CoordinatorMachine, CoordinatorSnapshot
-from .rank import (
+from ..coordinator import CoordinatorMachine, CoordinatorSnapshot
+from ..rank import (
     PauseComplete,
     PauseMode,
     PauseRequested,
@@ -26,7 +26,7 @@ from .rank import (
     StepDone,
     SyncDP,
 )
-from .scaling import ScalingMachine
+from ..scaling import ScalingMachine, ScalingSnapshot
 
 
 class AcceptsStaleCompletion(CoordinatorMachine):
@@ -110,7 +110,7 @@ class SyncsOnlyEveryInterval(RankMachine):
 class WaitsSilently(RankMachine):
     """Failure mode 10: a request reaching a sleeping or paused rank waits unannounced."""
 
-    def held(self, state: RankSnapshot) -> tuple[object, ...]:
+    def held(self, state: RankSnapshot, event: RequestArrived) -> tuple[object, ...]:
         return ()
 
 
@@ -161,6 +161,14 @@ class KeepsOwnCountersOnSwitch(RankMachine):
         return replace(state, rank=event.rank, dp_size=event.dp_size)
 
 
+class PausesOnlyStayingRanks(ScalingMachine):
+    """Scaling rule 3: a scale down pauses only the ranks that stay, so the leaving ones
+    never vote and the lockstep pause of the old group never reaches consensus."""
+
+    def pause_targets(self, state: ScalingSnapshot) -> tuple[int, ...]:
+        return tuple(range(min(state.old_dp_size or 0, state.dp_size or 0)))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Variant:
     """One broken rule; ``failure_mode`` numbers it in protocol.md (None: a rule of
@@ -192,4 +200,5 @@ VARIANTS: dict[str, Variant] = {
         failure_mode=None, rank_class=IdlesWithWaitPausePending
     ),
     "switch_keeps_own_wave": Variant(failure_mode=None, rank_class=KeepsOwnCountersOnSwitch),
+    "scale_pauses_staying_only": Variant(failure_mode=None, scaling_class=PausesOnlyStayingRanks),
 }

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .rank import PauseMode
+from ..rank import PauseMode
 from .variants import VARIANTS
 from .world import RequestSpec, Violation, World, WorldConfig
 
@@ -73,12 +73,33 @@ def default_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
         script=scale_script(dp_size + 1),
         depth_limit=14 if dp_size <= 2 else 12,
     )
-    return (*configs, *scale_configs(dp_size), (f"scale-up-{dp_size + 1}-request", grow))
+    # A scale down while the leaving rank serves a request: it drains, or the client's
+    # drain timeout aborts it, at any point of the interleaving.
+    shrink = ExploreConfig(
+        world=WorldConfig(dp_size=dp_size, duplicate_wave_complete=False),
+        requests=(RequestSpec(rank=dp_size - 1, steps=2),),
+        script=scale_script(dp_size - 1),
+        depth_limit=16 if dp_size <= 2 else 13,
+    )
+    # A sleep that keeps its requests (they are recomputed), then a wake.
+    sleep_keep = ExploreConfig(
+        world=WorldConfig(dp_size=dp_size, duplicate_wave_complete=False),
+        requests=(last,),
+        script=(("sleep", 1, PauseMode.KEEP), ("wake",)),
+        depth_limit=None if dp_size <= 2 else 14,
+    )
+    return (
+        *configs,
+        *scale_configs(dp_size),
+        (f"scale-up-{dp_size + 1}-request", grow),
+        (f"scale-down-{dp_size - 1}-request", shrink),
+        ("sleep-keep-wake", sleep_keep),
+    )
 
 
 def scale_script(dp_size: int) -> tuple[ClientOp, ...]:
-    """The client's whole reconfiguration: prepare (and pause), commit, resume."""
-    return (("scale_prepare", dp_size), ("scale_commit",), ("resume",))
+    """A scale: the client's later moves come from its ``ScalingMachine``."""
+    return (("scale", dp_size),)
 
 
 def scale_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
@@ -111,7 +132,7 @@ def _client_moves(config: ExploreConfig, world: World, position: int) -> list[tu
         moves.append(("submit",))
     if position < len(config.script) and world.refusal(config.script[position]) is None:
         moves.append(("op",))
-    return moves
+    return moves + world.scale_moves()
 
 
 def _apply(config: ExploreConfig, world: World, position: int, move: tuple[object, ...]) -> int:

@@ -13,6 +13,10 @@ from typing import Protocol
 
 from wavecore.engine.sampling_params import SamplingParams
 
+# What an executor can put to sleep and wake; the engine's third tag, "scheduling",
+# is the rank machine's (`wavecore.statemachines.SLEEP_TAGS`).
+EXECUTOR_TAGS = frozenset({"weights", "kv_cache"})
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SequenceChunk:

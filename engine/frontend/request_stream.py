@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 
 import anyio
 
-from wavecore.engine.input_processor import EngineRequest
 from wavecore.engine.outputs import CompletionDelta, TokenLogprob, Usage
+from wavecore.engine.request import EngineRequest
 from wavecore.engine.sampling.detokenizer import Decoder, IncrementalDetokenizer
 from wavecore.engine.sampling.stop_strings import StopChecker
 from wavecore.engine.scheduler import RequestUpdate

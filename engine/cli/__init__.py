@@ -1,0 +1,2 @@
+"""`wavecore generate` and `wavecore rank`: the command line, its demo prompts and
+its latency summary."""

@@ -1,0 +1,513 @@
+"""The real driver of the rank loop: `statemachines.rank_loop.RankLoop` over real I/O.
+
+Theory of operation:
+
+1. The loop's recipe and the performing of every machine action live in `RankLoop`
+   (the simulation runs the same code over modelled effects). This module only
+   answers what the loop waits for, and implements `RankEffects` on an `EngineCore`:
+   forwards, dummy batches, collectives, sleeps and wakes run on the `ModelThread`, in
+   order; the scheduler is touched only between them, on the event loop.
+2. Inputs are the client's messages (`engine.messages`); each becomes one loop input.
+   They arrive on one in-memory stream, from the channels of a rank process or
+   straight from an in-process front end.
+3. Everything a loop interaction sends is buffered and flushed after it, in order:
+   the iteration's token updates go out as ONE `StepOutputs` (before any reply, so a
+   call's own updates, e.g. aborts, precede its answer).
+4. An abort that arrives while a step runs wins over that step's output: after the
+   forward and before the scheduler's update, aborts already waiting at the head of
+   the inbox are applied, so an aborted request never gets another token.
+5. If anything raises, the rank reports `RankFailed` (naming itself) and waits for
+   its input to close; the client fails every request.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from wavecore.engine import messages as m
+from wavecore.engine.core.engine_core import EngineCore
+from wavecore.engine.core.model_thread import ModelThread
+from wavecore.engine.executors.batch import EXECUTOR_TAGS
+from wavecore.engine.interface import RankCounters, RankStats
+from wavecore.engine.request import EngineRequest
+from wavecore.engine.scheduler import RequestUpdate
+from wavecore.statemachines import (
+    AbortRequests,
+    Call,
+    Collective,
+    JoinGroup,
+    NewRequest,
+    NotifyStartWave,
+    NotifyWaveComplete,
+    PauseMode,
+    PauseRequested,
+    ProtocolError,
+    RankLoop,
+    RankMachine,
+    Reconfigured,
+    ReportStats,
+    ResetPrefixCache,
+    ResumeBarrier,
+    ResumeRequested,
+    ResumeSynced,
+    RunDummy,
+    RunStep,
+    Sleep,
+    SleepRequested,
+    StartWave,
+    StepDone,
+    StopRequests,
+    SwitchRequested,
+    SyncDone,
+    SyncDP,
+    WaitForInput,
+    WakeUpRequested,
+)
+
+
+class Shutdown:
+    """The input closed: leave the loop."""
+
+
+class Sink(Protocol):
+    """Where a rank's messages go: a channel's sender, or an in-process stream."""
+
+    async def send(self, item: Any) -> None: ...
+
+    async def flush(self) -> None: ...
+
+
+class DPGroupHandle(Protocol):
+    def sync(
+        self, *, has_unfinished: bool, pending_pause: bool, wave: int, step_counter: int
+    ) -> Any: ...
+
+    def barrier(self, *, has_unfinished: bool) -> bool: ...
+
+
+class GroupJoiner(Protocol):
+    """Builds the group a scale's commit switches to; returns it with the group's max of
+    (running, wave, step_counter). Blocking: runs on the model thread."""
+
+    def __call__(
+        self, *, prefix: str, dp_size: int, rank: int, running: bool, wave: int, step_counter: int
+    ) -> tuple[DPGroupHandle | None, tuple[bool, int, int]]: ...
+
+
+class SoloGroup:
+    """The DP group of one rank: every collective returns this rank's own values."""
+
+    def sync(
+        self, *, has_unfinished: bool, pending_pause: bool, wave: int, step_counter: int
+    ) -> SyncDone:
+        return SyncDone(
+            any_unfinished=has_unfinished,
+            pausing_ranks=int(pending_pause),
+            wave_span=(wave, wave),
+            step_counter_span=(step_counter, step_counter),
+        )
+
+    def barrier(self, *, has_unfinished: bool) -> bool:
+        return has_unfinished
+
+
+_COUNTERS = (
+    "real_steps",
+    "dummy_steps",
+    "syncs",
+    "waves_started",
+    "waves_completed",
+    "requests_added",
+    "requests_held",
+    "last_pause_forwards",
+)
+
+
+class RankRunner:
+    """Drives one `RankLoop` over an `EngineCore`; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        core: EngineCore,
+        machine: RankMachine,
+        model_thread: ModelThread,
+        group: DPGroupHandle | None,
+        outputs: Sink,
+        coordinator: Sink | None,
+        on_invalid: Callable[[object], None],
+        join_group: GroupJoiner | None = None,
+    ) -> None:
+        self.core = core
+        self.loop = RankLoop(machine)
+        self.rank = machine.rank
+        self._thread = model_thread
+        self._group = group
+        self._join_group = join_group
+        self._outputs = outputs
+        self._coordinator = coordinator
+        self._on_invalid = on_invalid
+        self._effects = _CoreEffects(self)
+        self._backlog: deque[Any] = deque()
+        self._last_load: tuple[int, int, float] | None = None
+        self.counts = dict.fromkeys(_COUNTERS, 0)
+        # A switch's group prefix, kept from its message until the collective runs.
+        self._switch_prefix = ""
+
+    # -- the loop --------------------------------------------------------------------
+
+    async def run(self, inbox: MemoryObjectReceiveStream[Any]) -> None:
+        try:
+            self.loop.start(self._effects)
+            await self._flush()
+            await self._drive(inbox)
+        except Exception as error:
+            detail = f"{type(error).__name__}: {error}"
+            failure = m.RankFailed(
+                rank=self.rank, error=f"rank {self.rank} (pid {os.getpid()}) failed: {detail}"
+            )
+            await self._flush()
+            await self._outputs.send(failure)
+            await self._outputs.flush()
+            async for item in inbox:  # wait for the client to close this rank's input
+                if isinstance(item, Shutdown):
+                    return
+
+    async def _drive(self, inbox: MemoryObjectReceiveStream[Any]) -> None:
+        loop = self.loop
+        while True:
+            pending = loop.pending
+            if isinstance(pending, WaitForInput | RunStep):
+                item = self._next_input(inbox)
+                if item is None and isinstance(pending, WaitForInput):
+                    await self._flush()
+                    item = await inbox.receive()
+                if isinstance(item, Shutdown):
+                    return
+                if item is not None:
+                    self._deliver(item)
+                    continue
+                await self._publish_load()
+                loop.complete(await self._step(inbox), self._effects)
+                await self._flush()  # the iteration's updates: one StepOutputs
+                continue
+            await self._flush()
+            if isinstance(pending, RunDummy):
+                await self._thread.run(self.core.executor.execute_dummy)
+                self.counts["dummy_steps"] += 1
+                loop.complete(None, self._effects)
+            elif isinstance(pending, Collective):
+                loop.complete(await self._collective(pending.action), self._effects)
+            elif isinstance(pending, Sleep):
+                await self._sleep(pending)
+                loop.complete(None, self._effects)
+            else:
+                executor_tags = pending.tags & EXECUTOR_TAGS
+                if executor_tags:
+                    await self._thread.run(self.core.executor.wake_up, executor_tags)
+                loop.complete(None, self._effects)
+
+    def _next_input(self, inbox: MemoryObjectReceiveStream[Any]) -> Any:
+        if self._backlog:
+            return self._backlog.popleft()
+        try:
+            return inbox.receive_nowait()
+        except anyio.WouldBlock:
+            return None
+
+    async def _step(self, inbox: MemoryObjectReceiveStream[Any]) -> StepDone:
+        core = self.core
+        step = core.schedule()
+        if step is not None:
+            output = await self._thread.run(core.execute, step)
+            self._take_waiting_aborts(inbox)
+            self._effects.emit(core.update(step, output))
+            self.counts["real_steps"] += 1
+        return StepDone(executed=step is not None, has_unfinished=core.has_unfinished())
+
+    def _take_waiting_aborts(self, inbox: MemoryObjectReceiveStream[Any]) -> None:
+        """Rule 4: apply the aborts at the head of the inbox now; keep the rest, in
+        order, for the top of the next iteration."""
+        while True:
+            try:
+                item = inbox.receive_nowait()
+            except anyio.WouldBlock:
+                return
+            if self._backlog or not isinstance(item, m.AbortRequests):
+                self._backlog.append(item)
+                continue
+            self._deliver(item)
+
+    async def _collective(self, action: SyncDP | ResumeBarrier | JoinGroup) -> object:
+        if isinstance(action, JoinGroup):
+            return await self._join(action)
+        group = self._group
+        if group is None:
+            raise RuntimeError(f"rank {self.rank} has no DP group for {action}")
+        if isinstance(action, ResumeBarrier):
+            synced = await self._thread.run(
+                lambda: group.barrier(has_unfinished=action.has_unfinished)
+            )
+            return ResumeSynced(any_unfinished=synced)
+        result = await self._thread.run(
+            lambda: group.sync(
+                has_unfinished=action.has_unfinished,
+                pending_pause=action.pending_pause,
+                wave=action.wave,
+                step_counter=action.step_counter,
+            )
+        )
+        self.counts["syncs"] += 1
+        return SyncDone(
+            any_unfinished=result.any_unfinished,
+            pausing_ranks=result.pausing_ranks,
+            wave_span=result.wave_span,
+            step_counter_span=result.step_counter_span,
+        )
+
+    async def _join(self, action: JoinGroup) -> Reconfigured:
+        agreed = (action.running, action.wave, action.step_counter)
+        if self._join_group is not None:
+            joiner, prefix = self._join_group, self._switch_prefix
+            self._group, agreed = await self._thread.run(
+                lambda: joiner(
+                    prefix=prefix,
+                    dp_size=action.dp_size,
+                    rank=self.rank,
+                    running=action.running,
+                    wave=action.wave,
+                    step_counter=action.step_counter,
+                )
+            )
+        running, wave, step_counter = agreed
+        return Reconfigured(
+            rank=self.rank,
+            dp_size=action.dp_size,
+            wave=wave,
+            running=running,
+            step_counter=step_counter,
+        )
+
+    async def _sleep(self, pending: Sleep) -> None:
+        if "kv_cache" in pending.tags:
+            self.core.drop_kv_cache()
+        if pending.level > 0:
+            await self._thread.run(self.core.executor.sleep, pending.level)
+
+    # -- inputs ------------------------------------------------------------------------
+
+    def _deliver(self, item: Any) -> None:
+        loop_input = self._as_loop_input(item)
+        if loop_input is not None:
+            self.loop.deliver(loop_input, self._effects)
+
+    def _as_loop_input(self, item: Any) -> object | None:
+        if isinstance(item, m.AddRequest):
+            request = EngineRequest(
+                request_id=item.request_id,
+                prompt_token_ids=item.prompt_token_ids,
+                params=item.params,
+            )
+            return NewRequest(request_id=item.request_id, wave=item.wave, payload=request)
+        if isinstance(item, m.AbortRequests):
+            return AbortRequests(request_ids=item.request_ids)
+        if isinstance(item, m.StopRequests):
+            return StopRequests(request_ids=item.request_ids)
+        if isinstance(item, m.StartDPWave):
+            return StartWave(wave=item.wave, exclude_rank=item.exclude_rank)
+        if isinstance(item, m.SwitchGroup):
+            self._switch_prefix = item.group_prefix
+            return Call(call_id=item.call_id, request=SwitchRequested(dp_size=item.dp_size))
+        if isinstance(item, m.UtilityCall):
+            try:
+                request = _call_request(item)
+            except (ValueError, KeyError) as error:
+                self._effects.reply(item.call_id, error=f"{type(error).__name__}: {error}")
+                return None
+            if isinstance(request, PauseRequested):
+                self._effects.pause_started(item.call_id)
+            return Call(call_id=item.call_id, request=request)
+        self._on_invalid(item)
+        return None
+
+    # -- outputs -----------------------------------------------------------------------
+
+    async def _flush(self) -> None:
+        effects = self._effects
+        for message in effects.take_outputs():
+            await self._outputs.send(message)
+        notices = effects.take_notices()
+        if self._coordinator is not None:
+            for notice in notices:
+                await self._coordinator.send(notice)
+
+    async def _publish_load(self) -> None:
+        if self._coordinator is None:
+            return
+        stats = self.core.scheduler.stats()
+        load = (stats.num_waiting, stats.num_running, round(stats.kv_usage, 2))
+        if load != self._last_load:
+            self._last_load = load
+            await self._coordinator.send(
+                m.LoadReport(
+                    rank=self.rank, waiting=load[0], running=load[1], kv_usage=min(1.0, load[2])
+                )
+            )
+
+    def stats(self) -> RankStats:
+        machine = self.loop.machine.snapshot()
+        counters = RankCounters(
+            wave=machine.wave,
+            step_counter=machine.step_counter,
+            running=machine.running,
+            **self.counts,
+        )
+        core = self.core.stats(paused=machine.pause_mode, asleep=machine.asleep)
+        return RankStats(rank=self.rank, core=core, counters=counters)
+
+    def forwards(self) -> int:
+        return self.counts["real_steps"] + self.counts["dummy_steps"]
+
+
+def _call_request(call: m.UtilityCall) -> object:
+    """The loop's request for a client's utility call; ValueError for bad arguments."""
+    method = call.method
+    if method == "pause":
+        return PauseRequested(mode=PauseMode(call.pause_mode))
+    if method == "sleep":
+        mode = PauseMode(call.pause_mode or PauseMode.ABORT.value)
+        return SleepRequested(level=call.sleep_level or 0, mode=mode)
+    if method == "wake_up":
+        tags = None if call.wake_tags is None else frozenset(call.wake_tags)
+        return WakeUpRequested(tags=tags)
+    requests = {
+        "resume": ResumeRequested,
+        "reset_prefix_cache": ResetPrefixCache,
+        "stats": ReportStats,
+    }
+    return requests[method]()
+
+
+class _CoreEffects:
+    """`RankEffects` on an `EngineCore`: the scheduler at once, messages buffered."""
+
+    def __init__(self, runner: RankRunner) -> None:
+        self._runner = runner
+        self._core = runner.core
+        self._rank = runner.rank
+        self._outputs: list[object] = []
+        self._notices: list[object] = []
+        self._pause_started_at: int | None = None
+        self._pause_calls: set[int] = set()
+        # The current iteration's token updates, in StepOutputs' columns.
+        self._ids: list[str] = []
+        self._counts: list[int] = []
+        self._tokens: list[int] = []
+        self._finished: dict[str, str] = {}
+        self._logprobs: list[m.RequestLogprobs] = []
+
+    # -- RankEffects --------------------------------------------------------------------
+
+    def add_request(self, request_id: str, payload: object) -> None:
+        self._core.add_request(payload)  # type: ignore[arg-type]
+        self._runner.counts["requests_added"] += 1
+
+    def abort_requests(self, request_ids: tuple[str, ...]) -> None:
+        self.emit(self._core.abort_requests(request_ids))
+
+    def stop_requests(self, request_ids: tuple[str, ...]) -> None:
+        for request_id in request_ids:
+            try:
+                self._core.finish_stopped(request_id)
+            except ProtocolError:
+                # Preempted since its last token: it is not running, so abort it instead.
+                self._core.abort_requests([request_id])
+
+    def pause_scheduler(self, mode: PauseMode) -> None:
+        self.emit(self._core.pause_scheduler(mode))
+
+    def resume_scheduler(self) -> None:
+        self._core.resume_scheduler()
+
+    def reset_prefix_cache(self) -> None:
+        self._core.reset_prefix_cache()
+
+    def notify_coordinator(self, message: NotifyStartWave | NotifyWaveComplete) -> None:
+        if isinstance(message, NotifyStartWave):
+            self._runner.counts["waves_started"] += 1
+            self._notices.append(m.WaveStarted(rank=self._rank, wave=message.wave))
+        else:
+            self._runner.counts["waves_completed"] += 1
+            self._notices.append(m.WaveComplete(wave=message.wave))
+
+    def announce_held(self, request_ids: tuple[str, ...], reason: str) -> None:
+        self._runner.counts["requests_held"] += 1
+        self._outputs.append(
+            m.RequestsHeld(rank=self._rank, request_ids=request_ids, reason=reason)
+        )
+
+    def report(self) -> object:
+        return self._runner.stats()
+
+    def reply(self, call_id: int, *, error: str | None = None, result: object = None) -> None:
+        if call_id in self._pause_calls:
+            self._pause_calls.discard(call_id)
+            if not self._pause_calls and self._pause_started_at is not None:
+                forwards = self._runner.forwards() - self._pause_started_at
+                self._runner.counts["last_pause_forwards"] = forwards
+                self._pause_started_at = None
+        self._close_step_outputs()  # the call's own updates go first
+        stats = result if isinstance(result, RankStats) else None
+        self._outputs.append(
+            m.UtilityResult(rank=self._rank, call_id=call_id, error=error, stats=stats)
+        )
+
+    # -- bookkeeping --------------------------------------------------------------------
+
+    def pause_started(self, call_id: int) -> None:
+        self._pause_calls.add(call_id)
+        if self._pause_started_at is None:
+            self._pause_started_at = self._runner.forwards()
+
+    def emit(self, updates: list[RequestUpdate]) -> None:
+        for update in updates:
+            request_id = update.request_id
+            self._ids.append(request_id)
+            self._counts.append(len(update.new_token_ids))
+            self._tokens.extend(update.new_token_ids)
+            if update.finish_reason is not None:
+                self._finished[request_id] = str(update.finish_reason)
+            if update.sampled and update.sampled[0].logprob is not None:
+                entries = tuple((s.token_id, s.logprob, s.top_logprobs) for s in update.sampled)
+                self._logprobs.append(m.RequestLogprobs(request_id=request_id, entries=entries))
+
+    def _close_step_outputs(self) -> None:
+        if not self._ids:
+            return
+        self._outputs.append(
+            m.StepOutputs(
+                rank=self._rank,
+                request_ids=tuple(self._ids),
+                token_counts=tuple(self._counts),
+                token_ids=tuple(self._tokens),
+                finished=self._finished,
+                logprobs=tuple(self._logprobs),
+            )
+        )
+        self._ids, self._counts, self._tokens = [], [], []
+        self._finished, self._logprobs = {}, []
+
+    def take_outputs(self) -> list[object]:
+        self._close_step_outputs()
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def take_notices(self) -> list[object]:
+        notices, self._notices = self._notices, []
+        return notices

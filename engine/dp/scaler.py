@@ -1,0 +1,382 @@
+"""Elastic scaling: the `Scaler` performs `ScalingMachine`'s script, and nothing else.
+
+Theory of operation:
+
+1. The machine (`wavecore.statemachines.scaling`, read its docstring) decides every
+   step of a reconfiguration, including why leaving ranks drain and why the new group
+   is built at the switch; the simulation performs the same script over modelled
+   effects. Here each action is performed for real: `StartRanks` spawns processes and
+   takes their startup handshake (joining: paused, their scheduler frozen by their own
+   machine), `RouteTo` and `ResizeTables` change the front end's tables, `DrainRanks`
+   waits for the leaving ranks' requests (aborting what is left at `drain_timeout`),
+   `PauseRanks`, `SwitchGroup` and `ResumeRanks` are calls to ranks through the front
+   end, `StopRanks` closes ranks' inputs and reaps their processes, and
+   `ResizeCoordinator` tells the coordinator and waits for its publication of the new
+   size (so no message of a new rank can reach a coordinator that does not know it).
+2. Ranks keep their numbers; every switch builds a fresh gloo group under a new store
+   prefix (`<engine prefix>-g<generation>`), so the old and new groups never share keys.
+3. A failure before the switch is rolled back by the machine's `ScaleAborted` script:
+   new processes stopped and reaped, routing restored, the engines resumed; the error
+   (`ScalingFailedError`) names the cause and says the engine still serves at its old
+   size. From the switch on nothing can be rolled back, and the error says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import multiprocessing.connection
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.to_thread
+
+from wavecore.channels import MessageSender, open_push
+from wavecore.engine import messages as m
+from wavecore.engine.config import EngineConfig
+from wavecore.engine.dp.launcher import (
+    SHUTDOWN_GRACE_S,
+    ConfigMismatchError,
+    DPStartupError,
+    DPWiring,
+    config_difference,
+    process_name,
+    reap,
+)
+from wavecore.engine.dp.rank_process import describe_config, rank_main
+from wavecore.engine.errors import (
+    EngineError,
+    ScalingFailedError,
+    ScalingInProgressError,
+    ScalingRefusedError,
+)
+from wavecore.engine.frontend.core_client import ScaleHost
+from wavecore.statemachines import (
+    CoordinatorResized,
+    Drained,
+    DrainRanks,
+    PauseMode,
+    PauseRanks,
+    RanksPaused,
+    RanksReady,
+    ReconfigurationActiveError,
+    ReconfigureFinished,
+    ResizeCoordinator,
+    ResizeTables,
+    Resumed,
+    ResumeRanks,
+    RouteTo,
+    ScaleAbandoned,
+    ScaleAborted,
+    ScaleRequested,
+    ScaleRolledBack,
+    ScalingMachine,
+    StartRanks,
+    StopRanks,
+    SwitchDone,
+    SwitchGroup,
+)
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+
+class Scaler:
+    """The engine's side of elastic scaling; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, wiring: DPWiring) -> None:
+        self._config = config
+        self._wiring = wiring
+        self._machine = ScalingMachine()
+        self._generation = 0
+        self._hosts: anyio.abc.TaskGroup | None = None
+        self._sender_closed: dict[int, anyio.Event] = {}
+        # Inputs of ranks still starting: a rollback closes them too.
+        self._starting: list[MessageSender] = []
+        self._ends_token = 0
+        self._ends_expected = anyio.Event()
+
+    @property
+    def active(self) -> bool:
+        return self._machine.active
+
+    async def scale(self, host: ScaleHost, new_dp_size: int, drain_timeout: float | None) -> None:
+        old = host.dp_size
+        try:
+            actions = self._machine.handle(ScaleRequested(old_dp_size=old, dp_size=new_dp_size))
+        except ReconfigurationActiveError as error:
+            raise ScalingInProgressError(str(error)) from None
+        try:
+            await self._run(host, actions, drain_timeout)
+        except BaseException as raised:
+            error = _sole(raised)
+            if not self._machine.active:
+                raise
+            reason = f"{type(error).__name__}: {error}"
+            rollback = self._machine.handle(ScaleAborted(reason=reason))
+            with anyio.CancelScope(shield=True):
+                await self._roll_back(host, rollback)
+            if not isinstance(error, Exception):
+                raise
+            if any(isinstance(action, ScaleRolledBack) for action in rollback):
+                raise ScalingFailedError(
+                    f"scaling from {old} to {new_dp_size} ranks failed and was rolled back "
+                    f"(still {old} ranks): {reason}"
+                ) from error
+            raise ScalingFailedError(
+                f"scaling from {old} to {new_dp_size} ranks failed after the switch started "
+                f"(not rolled back; the engine may be unusable): {reason}"
+            ) from error
+
+    async def _run(
+        self, host: ScaleHost, actions: tuple[object, ...], drain_timeout: float | None
+    ) -> None:
+        """Perform the actions; the one that waits for something yields the machine's
+        next event."""
+        while actions:
+            event = None
+            for action in actions:
+                event = await self._perform(host, action, drain_timeout) or event
+            actions = self._machine.handle(event) if event is not None else ()
+
+    async def _perform(
+        self, host: ScaleHost, action: object, drain_timeout: float | None
+    ) -> object | None:
+        wiring = self._wiring
+        timeout = self._config.startup_timeout
+        if isinstance(action, StartRanks):
+            await self._start_ranks(action.ranks, action.dp_size)
+            return RanksReady()
+        if isinstance(action, DrainRanks):
+            await self._drain(host, action.ranks, drain_timeout)
+            return Drained()
+        if isinstance(action, PauseRanks):
+            keep = PauseMode.KEEP.value
+            await host.call_ranks(
+                action.ranks,
+                lambda cid: m.UtilityCall(call_id=cid, method="pause", pause_mode=keep),
+            )
+            return RanksPaused()
+        if isinstance(action, SwitchGroup):
+            self._generation += 1
+            prefix = self._prefix()
+            size = action.dp_size
+            with anyio.fail_after(timeout):
+                await host.call_ranks(
+                    range(size),
+                    lambda cid: m.SwitchGroup(call_id=cid, dp_size=size, group_prefix=prefix),
+                )
+            return SwitchDone()
+        if isinstance(action, ResizeCoordinator):
+            await wiring.to_coordinator.send(m.CoordinatorResize(dp_size=action.dp_size))
+            with anyio.fail_after(timeout):
+                await host.coordinator_size(action.dp_size)
+            return CoordinatorResized()
+        if isinstance(action, ResumeRanks):
+            await host.call_ranks(
+                action.ranks, lambda cid: m.UtilityCall(call_id=cid, method="resume")
+            )
+            return Resumed()
+        if isinstance(action, RouteTo):
+            host.route_to(action.dp_size)
+        elif isinstance(action, StopRanks):
+            await self._stop_ranks(action.ranks)
+        elif isinstance(action, ResizeTables):
+            host.resize_tables(action.dp_size)
+            wiring.dp_size = action.dp_size
+        elif not isinstance(action, ReconfigureFinished):
+            raise RuntimeError(f"the scaler cannot perform {action}")
+        return None
+
+    async def _roll_back(self, host: ScaleHost, actions: tuple[object, ...]) -> None:
+        """Perform an aborted scale's rollback. An engine that died meanwhile has nothing
+        left to roll back, and the original error says why."""
+        for action in actions:
+            if isinstance(action, ScaleRolledBack | ScaleAbandoned):
+                continue
+            with contextlib.suppress(EngineError):
+                await self._perform(host, action, None)
+
+    # -- the actions that need processes and channels ------------------------------------
+
+    async def _start_ranks(self, ranks: tuple[int, ...], dp_size: int) -> None:
+        """Spawn these ranks and take their startup handshake (joining); once all are
+        ready their inputs join the wiring."""
+        wiring = self._wiring
+        config = self._config
+        handshake = wiring.rank_handshake
+        if handshake is None or wiring.listen is None:
+            raise ScalingRefusedError("this engine's ranks were not started here; cannot scale")
+        first = ranks[0]
+        self._generation += 1
+        await self._expect_ends(len(ranks))
+        for rank in ranks:
+            address = wiring.listen(f"rank{rank}-in-g{self._generation}")
+            self._starting.append(await self._open_sender(address))
+        context = multiprocessing.get_context("spawn")
+        for rank in ranks:
+            process = context.Process(
+                target=rank_main,
+                args=(
+                    handshake.address,
+                    rank,
+                    wiring.rank_configs.get(rank, config),
+                    wiring.build_core,
+                ),
+                name=f"wavecore-dp-rank{rank}",
+                daemon=True,
+            )
+            wiring.processes[process_name(rank)] = process
+            process.start()
+        expected = describe_config(config)
+        ready: set[int] = set()
+        with anyio.fail_after(config.startup_timeout):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_startup, ranks, tg.cancel_scope)
+                while len(ready) < len(ranks):
+                    message = await handshake.receive()
+                    if isinstance(message, m.RankHello):
+                        assignment = m.RankAssignment(
+                            rank=message.rank,
+                            dp_size=dp_size,
+                            lockstep=config.dp_mode == "lockstep",
+                            sync_interval=config.sync_interval,
+                            input_address=self._starting[message.rank - first].address,
+                            output_address=wiring.addresses["outputs"],
+                            coordinator_input_address=wiring.addresses["coordinator_input"],
+                            coordinator_publish_address=wiring.addresses["coordinator_publish"],
+                            store_host=wiring.host,
+                            store_port=0 if wiring.store is None else wiring.store.port,
+                            group_prefix=self._prefix(),
+                            collective_timeout_s=float(config.startup_timeout),
+                            joining=True,
+                        )
+                        await handshake.send(
+                            m.HandshakeReply(accepted=True, reason="", assignment=assignment)
+                        )
+                    elif isinstance(message, m.RankStartupFailed):
+                        await handshake.send(
+                            m.HandshakeReply(accepted=False, reason="startup failed")
+                        )
+                        raise DPStartupError(
+                            f"rank {message.rank} failed to start: {message.error}"
+                        )
+                    else:
+                        problem = config_difference(expected, message)
+                        await handshake.send(m.HandshakeReply(accepted=not problem, reason=problem))
+                        if problem:
+                            raise ConfigMismatchError(problem)
+                        ready.add(message.rank)
+                tg.cancel_scope.cancel()
+        wiring.to_ranks.extend(self._starting)
+        self._starting = []
+        if wiring.watcher is not None:
+            # From here on a new rank's death is the engine's, as for the first ranks.
+            for rank in ranks:
+                name = process_name(rank)
+                wiring.watcher.watch(name, wiring.processes[name])
+
+    async def _drain(
+        self, host: ScaleHost, leaving: tuple[int, ...], drain_timeout: float | None
+    ) -> None:
+        """Let the leaving ranks finish their requests; abort what is left at the bound
+        (its callers see finish reason "abort": never a silent loss)."""
+        with anyio.move_on_after(drain_timeout if drain_timeout is not None else math.inf):
+            while host.unfinished_on(leaving):
+                await host.request_finished()
+        await host.abort_on(host.unfinished_on(leaving))
+        with anyio.fail_after(self._config.startup_timeout):
+            while host.unfinished_on(leaving):
+                await host.request_finished()
+
+    async def _watch_startup(self, ranks: tuple[int, ...], scope: anyio.CancelScope) -> None:
+        """A new rank that dies during its startup ends the wait at once."""
+        processes = [self._wiring.processes[process_name(rank)] for rank in ranks]
+        sentinels = [process.sentinel for process in processes]
+        await anyio.to_thread.run_sync(
+            multiprocessing.connection.wait, sentinels, abandon_on_cancel=True
+        )
+        dead = [p for p in processes if p.exitcode is not None]
+        names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
+        raise DPStartupError(f"new rank process exited during startup: {names}")
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """Hosts the new ranks' input senders for the engine's lifetime (a channel's
+        context must be left by the task that entered it)."""
+        self._wiring.coordinator_state.subscribe(m.SCALE_TOPIC)
+        async with anyio.create_task_group() as tg:
+            self._hosts = tg
+            task_status.started()
+            await anyio.sleep_forever()
+
+    async def _expect_ends(self, ranks: int) -> None:
+        """`ranks` more senders join the client's output stream and the coordinator's
+        input: each receiver ends once every sender sent its one end marker, so both
+        must count the newcomers before any of them can end (even a rolled-back one).
+        A rank that leaves early sends the marker it was counted for; one that dies
+        sends none, and the launcher's shutdown grace and reaping bound that wait."""
+        wiring = self._wiring
+        wiring.outputs.expect_more_end_of_streams(ranks)
+        self._ends_token += 1
+        self._ends_expected = anyio.Event()
+        await wiring.to_coordinator.send(m.ExpectEnds(markers=ranks, token=self._ends_token))
+        with anyio.fail_after(self._config.startup_timeout):
+            await self._ends_expected.wait()
+
+    def on_ends_expected(self, token: int) -> None:
+        if token == self._ends_token:
+            self._ends_expected.set()
+
+    async def _open_sender(self, address: str) -> MessageSender:
+        if self._hosts is None:
+            raise ScalingRefusedError("the engine's scaling service is not running")
+        closed = anyio.Event()
+        sender: MessageSender = await self._hosts.start(_host_sender, address, closed)
+        self._sender_closed[id(sender)] = closed
+        return sender
+
+    def _prefix(self) -> str:
+        return f"{self._wiring.group_prefix}-g{self._generation}"
+
+    async def _stop_ranks(self, ranks: tuple[int, ...]) -> None:
+        """Close these ranks' inputs (they leave their loops and exit); reap them. They
+        are the highest ranks: a scale down removes from the top, a scale up adds there."""
+        wiring = self._wiring
+        senders = [*wiring.to_ranks[min(ranks) :], *self._starting]
+        del wiring.to_ranks[min(ranks) :]
+        self._starting = []
+        names = [process_name(rank) for rank in ranks]
+        processes: dict[str, BaseProcess] = wiring.processes
+        if wiring.watcher is not None:
+            # They exit on purpose (removed, or rolled back): not a death.
+            for name in names:
+                if name in processes:
+                    wiring.watcher.forget(processes[name])
+        with anyio.CancelScope(shield=True):
+            for sender in senders:
+                await sender.aclose()
+                closed = self._sender_closed.pop(id(sender), None)
+                if closed is not None:
+                    closed.set()
+            stopping = {name: processes[name] for name in names if name in processes}
+            await reap(stopping, grace=SHUTDOWN_GRACE_S)
+            # Rank numbers are reused by a later scale up; keep each for the final reap.
+            for name, process in stopping.items():
+                processes[f"{name} (retired, pid {process.pid})"] = processes.pop(name)
+
+
+def _sole(error: BaseException) -> BaseException:
+    """The one error inside (nested) exception groups, else the group itself."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+async def _host_sender(
+    address: str, closed: anyio.Event, *, task_status: anyio.abc.TaskStatus[MessageSender]
+) -> None:
+    """One new rank's input, open until its rank leaves (`closed`) or the engine ends."""
+    async with open_push(listen=address, linger=0.5) as sender:
+        task_status.started(sender)
+        await closed.wait()

@@ -1,0 +1,84 @@
+"""The small interface between the front end and its ranks, and what a scale needs.
+
+Two implementations: `core.inprocess` (one rank in this process, its model on a
+thread; messages travel as objects on memory streams) and `dp.client` (N rank
+processes and a coordinator over nng channels). Both carry the same messages
+(`engine.messages`) and run the same rank loop; the front end cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Collection
+from typing import Any, Protocol
+
+from wavecore.engine.errors import EngineDeadError
+from wavecore.engine.request import PromptTokenizer
+
+
+class CoreClient(Protocol):
+    @property
+    def dp_size(self) -> int:
+        """Ranks the client may route to now (a scale changes it)."""
+        ...
+
+    @property
+    def lockstep(self) -> bool: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> PromptTokenizer: ...
+
+    @property
+    def has_coordinator(self) -> bool:
+        """Whether a coordinator publishes the wave view (else the ranks' own counters
+        are the view)."""
+        ...
+
+    def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Report the death of a rank (or of what carries its messages) to ``callback``."""
+
+    async def send(self, rank: int, message: Any) -> None: ...
+
+    async def send_coordinator(self, message: Any) -> None: ...
+
+    def outputs(self) -> AsyncIterator[Any]:
+        """Every rank's messages to the front end, until the ranks are gone."""
+        ...
+
+    def coordinator_states(self) -> AsyncIterator[Any]:
+        """The coordinator's publications (nothing, where there is no coordinator)."""
+        ...
+
+    async def scale(self, host: ScaleHost, new_dp_size: int, drain_timeout: float | None) -> None:
+        """Change the number of ranks, driving `host` (the front end) through the scale."""
+        ...
+
+
+class ScaleHost(Protocol):
+    """What a scale asks of the front end: its per-rank tables and calls to ranks."""
+
+    @property
+    def dp_size(self) -> int: ...
+
+    def route_to(self, dp_size: int) -> None:
+        """New requests go to ranks [0, dp_size) only."""
+
+    def resize_tables(self, dp_size: int) -> None: ...
+
+    def unfinished_on(self, ranks: Collection[int]) -> dict[str, int]:
+        """The requests in flight on these ranks, with their rank."""
+        ...
+
+    async def request_finished(self) -> None:
+        """Return once any request finishes."""
+
+    async def abort_on(self, requests: dict[str, int]) -> None: ...
+
+    async def call_ranks(self, ranks: Collection[int], message: Callable[[int], Any]) -> None:
+        """Send these ranks the call ``message(call_id)`` and wait for every answer; the
+        error names the ranks that refused."""
+
+    async def coordinator_size(self, dp_size: int) -> None:
+        """Return once the coordinator published a view of ``dp_size`` ranks."""

@@ -1,0 +1,572 @@
+"""The front end: the one implementation of `interface.Engine`, over any core client.
+
+Theory of operation:
+
+1. `FrontEnd` owns everything a caller touches: request ids, input processing
+   (validated and tokenized in the caller's own call, so a bad request raises there and
+   never reaches a rank), one `RequestStream` per request (detokenized here), routing
+   (`LoadBalancer`, or the caller's `dp_rank`), call guards, and the closed and dead
+   states. Below it, a `CoreClient` carries messages to and from the ranks.
+2. Its tasks live in the task group of `serving`: the output receiver (token updates,
+   call replies, held requests, failures), the coordinator-state receiver (wave view
+   and loads) and the outbox (aborts and stop-string finishes raised where no await is
+   possible).
+3. Calls (pause, resume, sleep, wake_up, reset_prefix_cache, stats) go to every rank and
+   complete when every rank answered; a rank answers a pause when it holds, a sleep
+   once its memory is free. The guards, the same for every engine: a second pause of
+   another mode, or a resume or sleep while a pause or sleep completes, raise
+   `PauseInProgressError`; a resume while asleep `EngineAsleepError`; any of them while
+   a scale runs `ScalingInProgressError`; bad arguments `InvalidRequestError`.
+4. A failure report from a rank, or the death of a process, kills the engine: every
+   request in flight and every call waiting fails with `EngineDeadError` naming the
+   cause, and every later call raises it at once. After the `async with` block, every
+   call raises `EngineClosedError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from wavecore.engine import messages as m
+from wavecore.engine.errors import (
+    DuplicateRequestError,
+    EngineAsleepError,
+    EngineClosedError,
+    EngineDeadError,
+    EngineError,
+    InvalidRequestError,
+    PauseInProgressError,
+    RankCallError,
+    ScalingInProgressError,
+    ScalingRefusedError,
+    UnknownRequestError,
+)
+from wavecore.engine.executors.batch import SampledToken
+from wavecore.engine.frontend.core_client import CoreClient
+from wavecore.engine.frontend.input_processor import InputProcessor
+from wavecore.engine.frontend.load_balancer import LoadBalancer
+from wavecore.engine.frontend.request_stream import RequestStream
+from wavecore.engine.interface import EngineStats, PauseModeName, RankStats
+from wavecore.engine.outputs import CompletionDelta
+from wavecore.engine.request import Prompt
+from wavecore.engine.sampling_params import SamplingParams
+from wavecore.engine.scheduler import RequestUpdate
+from wavecore.statemachines import SLEEP_TAGS, FinishReason, PauseMode, sleep_tags
+
+_request_numbers = itertools.count()
+
+
+@dataclass(slots=True)
+class _Call:
+    waiting_for: set[int]
+    done: anyio.Event = field(default_factory=anyio.Event)
+    errors: list[str] = field(default_factory=list)
+    stats: list[RankStats] = field(default_factory=list)
+
+
+def pause_mode(mode: object) -> PauseMode:
+    """A `PauseMode`, or its name; anything else is refused by name."""
+    if isinstance(mode, PauseMode):
+        return mode
+    if isinstance(mode, str) and mode in {m.value for m in PauseMode}:
+        return PauseMode(mode)
+    raise InvalidRequestError(
+        f"pause mode must be 'abort', 'wait', 'keep' or a PauseMode, got {mode!r}"
+    )
+
+
+def sleep_level(level: object) -> int:
+    if isinstance(level, bool) or level not in (0, 1, 2):
+        raise InvalidRequestError(f"sleep level must be 0, 1 or 2, got {level!r}")
+    return level  # type: ignore[return-value]
+
+
+def wake_tags(tags: Sequence[str] | None) -> frozenset[str]:
+    if tags is None:
+        return SLEEP_TAGS
+    if isinstance(tags, str):
+        raise InvalidRequestError(f"wake_up takes a list of tags, not the string {tags!r}")
+    unknown = set(tags) - SLEEP_TAGS
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown wake_up tag(s) {sorted(unknown)}; known: {sorted(SLEEP_TAGS)}"
+        )
+    return frozenset(tags)
+
+
+class FrontEnd:
+    """Use through `open_engine`; every method is safe to call from any task."""
+
+    def __init__(self, core: CoreClient) -> None:
+        self._core = core
+        self._inputs = InputProcessor(core.tokenizer, max_model_len=core.max_model_len)
+        self._tokenizer = core.tokenizer
+        self._balancer = LoadBalancer(core.dp_size)
+        self._dp_size = core.dp_size
+        self._streams: dict[str, RequestStream] = {}
+        self._owner: dict[str, int] = {}
+        self._held: dict[str, str] = {}
+        self._calls: dict[int, _Call] = {}
+        self._call_ids = itertools.count()
+        self._outbox: deque[tuple[int, Any]] = deque()
+        self._outbox_ready = anyio.Event()
+        # Sends go out in the order they were made, posted ones included (an abort of a
+        # stream left early must reach its rank before a later call does).
+        self._send_lock = anyio.Lock()
+        self._request_done = anyio.Event()
+        self._published = anyio.Event()
+        self._wave = 0
+        self._engines_running = False
+        self._published_size = core.dp_size
+        self._requests_per_rank = [0] * core.dp_size
+        # The protocol's state as the caller sees it (the ranks' machines hold the truth).
+        self._pausing: PauseMode | None = None
+        self._pause_call: _Call | None = None
+        self._sleeping = False
+        self._paused = False
+        self._asleep: frozenset[str] = frozenset()
+        self._scaling = False
+        self._dead: EngineDeadError | None = None
+        self._closed = False
+
+    @property
+    def dp_size(self) -> int:
+        return self._dp_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core.max_model_len
+
+    @property
+    def core_client(self) -> CoreClient:
+        """The core client below, for tools and tests that inspect what serves."""
+        return self._core
+
+    # -- requests ----------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        dp_rank: int | None = None,
+    ) -> AsyncIterator[CompletionDelta]:
+        """Stream one request's output; see `interface.Engine.generate`."""
+        self._check_open()
+        params = params if params is not None else SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(_request_numbers)}"
+        if request_id in self._streams:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
+        routable = self._balancer.dp_size  # smaller while a scale down drains
+        if dp_rank is not None and (
+            isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < routable
+        ):
+            raise InvalidRequestError(f"dp_rank must be an int in [0, {routable}), got {dp_rank!r}")
+        request = self._inputs.prepare(request_id, prompt, params)
+        if dp_rank is None:
+            rank = self._balancer.pick()
+        else:
+            rank = dp_rank
+            self._balancer.assigned(rank)
+        stream = RequestStream(request, self._tokenizer)  # type: ignore[arg-type]
+        self._streams[request_id] = stream
+        self._owner[request_id] = rank
+        self._requests_per_rank[rank] += 1
+        wave = self._wave
+        try:
+            await self._send(
+                rank,
+                m.AddRequest(
+                    request_id=request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    params=params,
+                    wave=wave,
+                ),
+            )
+            if self._core.lockstep and not self._engines_running:
+                await self._core.send_coordinator(m.FirstRequest(rank=rank, wave=wave))
+            async for delta in stream.deltas():
+                yield delta
+        finally:
+            if not stream.finished:
+                self._forget(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._check_open()
+        rank = self._owner.get(request_id)
+        if rank is None:
+            raise UnknownRequestError(f"no request {request_id!r} in flight")
+        await self._send(rank, m.AbortRequests(request_ids=(request_id,)))
+
+    # -- pause, sleep, wake ------------------------------------------------------------
+
+    async def pause(
+        self, mode: PauseMode | PauseModeName = PauseMode.KEEP, *, clear_cache: bool = True
+    ) -> None:
+        self._check_open()
+        mode = pause_mode(mode)
+        self._check_not_scaling("pause")
+        if self._sleeping or (self._pausing is not None and self._pausing is not mode):
+            raise PauseInProgressError(self._in_progress())
+        if self._pause_call is None:
+            self._pausing = mode
+            self._pause_call = await self._start_call(
+                range(self._dp_size), lambda cid: _utility(cid, "pause", pause_mode=mode.value)
+            )
+        call = self._pause_call
+        try:
+            await self._finish_call(call)
+        finally:
+            if self._pause_call is call:
+                self._pause_call = None
+                self._pausing = None
+        self._paused = True
+        if clear_cache:
+            await self.reset_prefix_cache()
+
+    async def resume(self) -> None:
+        self._check_open()
+        self._check_not_scaling("resume")
+        if self._pausing is not None or self._sleeping:
+            raise PauseInProgressError(self._in_progress())
+        if self._asleep:
+            raise EngineAsleepError(
+                f"cannot resume while asleep ({', '.join(sorted(self._asleep))}); "
+                "call wake_up first"
+            )
+        await self._call_all(lambda cid: _utility(cid, "resume"))
+        self._paused = False
+
+    async def sleep(self, level: int = 1, *, mode: PauseMode | PauseModeName = "abort") -> None:
+        self._check_open()
+        level = sleep_level(level)
+        mode = pause_mode(mode)
+        self._check_not_scaling("sleep")
+        if self._sleeping or self._pausing is not None:
+            raise PauseInProgressError(self._in_progress())
+        self._sleeping = True
+        try:
+            await self._call_all(
+                lambda cid: _utility(cid, "sleep", sleep_level=level, pause_mode=mode.value)
+            )
+        finally:
+            self._sleeping = False
+        self._paused = True
+        self._asleep |= sleep_tags(level)
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._check_open()
+        wanted = wake_tags(tags)
+        self._check_not_scaling("wake_up")
+        if self._sleeping:
+            raise PauseInProgressError(self._in_progress())
+        await self._call_all(lambda cid: _utility(cid, "wake_up", wake_tags=tuple(sorted(wanted))))
+        was_asleep, self._asleep = self._asleep, self._asleep - wanted
+        if was_asleep and not self._asleep:
+            self._paused = False  # the ranks resume once nothing is asleep any more
+
+    async def is_sleeping(self) -> bool:
+        self._check_open()
+        return bool(self._asleep)
+
+    async def is_paused(self) -> bool:
+        self._check_open()
+        return self._paused
+
+    async def reset_prefix_cache(self) -> None:
+        self._check_open()
+        await self._call_all(lambda cid: _utility(cid, "reset_prefix_cache"))
+
+    async def stats(self) -> EngineStats:
+        """Every rank's figures, taken after every call made before this one."""
+        self._check_open()
+        call = await self._call_all(lambda cid: _utility(cid, "stats"))
+        ranks = tuple(sorted(call.stats, key=lambda report: report.rank))
+        wave, running = self._wave, self._engines_running
+        if not self._core.has_coordinator:
+            wave = max(rank.counters.wave for rank in ranks)
+            running = any(rank.counters.running for rank in ranks)
+        return EngineStats(
+            ranks=ranks,
+            wave=wave,
+            engines_running=running,
+            held=dict(self._held),
+            requests_per_rank=tuple(self._requests_per_rank),
+        )
+
+    async def scale(self, new_dp_size: int, *, drain_timeout: float | None = None) -> None:
+        self._check_open()
+        if isinstance(new_dp_size, bool) or not isinstance(new_dp_size, int) or new_dp_size < 1:
+            raise ScalingRefusedError(f"new_dp_size must be an int >= 1, got {new_dp_size!r}")
+        if drain_timeout is not None and drain_timeout < 0:
+            raise ScalingRefusedError(f"drain_timeout must be >= 0 or None, got {drain_timeout}")
+        self._check_not_scaling("scale")
+        if self._paused or self._pausing is not None or self._sleeping:
+            raise ScalingRefusedError(
+                "the engine is paused or asleep: resume or wake it before scaling"
+            )
+        if new_dp_size == self._dp_size:
+            return
+        self._scaling = True
+        try:
+            await self._core.scale(self, new_dp_size, drain_timeout)
+        finally:
+            self._scaling = False
+
+    # -- what a scale asks of the front end (`core_client.ScaleHost`) ----------------------
+
+    def route_to(self, dp_size: int) -> None:
+        balancer = LoadBalancer(dp_size)
+        kept = min(dp_size, self._balancer.dp_size)
+        balancer.inflight[:kept] = self._balancer.inflight[:kept]
+        self._balancer = balancer
+
+    def resize_tables(self, dp_size: int) -> None:
+        self._dp_size = dp_size
+        self._requests_per_rank = (self._requests_per_rank + [0] * dp_size)[:dp_size]
+        self.route_to(dp_size)
+
+    def unfinished_on(self, ranks: Collection[int]) -> dict[str, int]:
+        return {rid: rank for rid, rank in self._owner.items() if rank in ranks}
+
+    async def request_finished(self) -> None:
+        await self._request_done.wait()
+        self._check_open()
+
+    async def abort_on(self, requests: dict[str, int]) -> None:
+        for request_id, rank in requests.items():
+            await self._send(rank, m.AbortRequests(request_ids=(request_id,)))
+
+    async def call_ranks(self, ranks: Collection[int], message: Callable[[int], Any]) -> None:
+        call = await self._start_call(ranks, message)
+        await self._finish_call(call)
+
+    async def coordinator_size(self, dp_size: int) -> None:
+        while self._published_size != dp_size:
+            await self._published.wait()
+            self._check_open()
+
+    # -- calls -------------------------------------------------------------------------
+
+    def _check_not_scaling(self, what: str) -> None:
+        if self._scaling:
+            raise ScalingInProgressError(f"{what} refused: a scale is still in progress")
+
+    def _in_progress(self) -> str:
+        if self._sleeping:
+            return "a sleep is still completing"
+        mode = self._pausing.name if self._pausing is not None else "?"
+        return f"a {mode} pause is still completing"
+
+    async def _call_all(self, message: Callable[[int], Any]) -> _Call:
+        call = await self._start_call(range(self._dp_size), message)
+        await self._finish_call(call)
+        return call
+
+    async def _start_call(self, ranks: Collection[int], message: Callable[[int], Any]) -> _Call:
+        call_id = next(self._call_ids)
+        call = _Call(waiting_for=set(ranks))
+        self._calls[call_id] = call
+        built = message(call_id)
+        for rank in ranks:
+            await self._send(rank, built)
+        return call
+
+    async def _finish_call(self, call: _Call) -> None:
+        await call.done.wait()
+        self._check_open()
+        if call.errors:
+            raise RankCallError("; ".join(call.errors))
+
+    # -- receivers ---------------------------------------------------------------------
+
+    async def receive_outputs(self) -> None:
+        handlers = {
+            m.StepOutputs: self._on_step_outputs,
+            m.UtilityResult: self._on_utility_result,
+            m.RequestsHeld: self._on_held,
+            m.RankFailed: self._on_rank_failed,
+        }
+        async for message in self._core.outputs():
+            handler = handlers.get(type(message))
+            if handler is not None:
+                handler(message)
+        if not self._closed:
+            self.die(EngineDeadError("every rank closed its output channel"))
+
+    async def receive_state(self) -> None:
+        async for state in self._core.coordinator_states():
+            self._wave = state.wave
+            self._engines_running = state.engines_running
+            size = self._balancer.dp_size  # smaller while a scale down drains
+            self._balancer.update(state.waiting[:size], state.running[:size], state.kv_usage[:size])
+            if len(state.waiting) != self._published_size:
+                self._published_size = len(state.waiting)
+                self._published.set()
+                self._published = anyio.Event()
+
+    async def send_outbox(self) -> None:
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready = anyio.Event()
+            async with self._send_lock:
+                await self._send_posted()
+
+    async def _send(self, rank: int, message: Any) -> None:
+        async with self._send_lock:
+            await self._send_posted()
+            await self._core.send(rank, message)
+
+    async def _send_posted(self) -> None:
+        while self._outbox:
+            rank, message = self._outbox.popleft()
+            await self._core.send(rank, message)
+
+    def _post(self, rank: int, message: Any) -> None:
+        self._outbox.append((rank, message))
+        self._outbox_ready.set()
+
+    def _on_step_outputs(self, message: m.StepOutputs) -> None:
+        logprobs = {entry.request_id: entry.entries for entry in message.logprobs}
+        finished = message.finished
+        token_ids = message.token_ids
+        position = 0
+        for request_id, count in zip(message.request_ids, message.token_counts, strict=True):
+            new_tokens = token_ids[position : position + count]
+            position += count
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            if self._held:
+                self._held.pop(request_id, None)
+            update = _request_update(
+                request_id, new_tokens, finished.get(request_id), logprobs.get(request_id, ())
+            )
+            if stream.process(update):
+                self._post(self._owner[request_id], m.StopRequests(request_ids=(request_id,)))
+            if stream.finished:
+                self._finished(request_id)
+
+    def _on_utility_result(self, message: m.UtilityResult) -> None:
+        call = self._calls.get(message.call_id)
+        if call is None:
+            return
+        call.waiting_for.discard(message.rank)
+        if message.error is not None:
+            call.errors.append(f"rank {message.rank}: {message.error}")
+        if message.stats is not None:
+            call.stats.append(message.stats)
+        if not call.waiting_for:
+            del self._calls[message.call_id]
+            call.done.set()
+
+    def _on_held(self, message: m.RequestsHeld) -> None:
+        for request_id in message.request_ids:
+            if request_id in self._streams:
+                self._held[request_id] = f"rank {message.rank} is {message.reason}"
+
+    def _on_rank_failed(self, message: m.RankFailed) -> None:
+        self.die(EngineDeadError(message.error))
+
+    # -- bookkeeping -------------------------------------------------------------------
+
+    def _finished(self, request_id: str) -> None:
+        del self._streams[request_id]
+        self._held.pop(request_id, None)
+        self._count_finished(self._owner.pop(request_id))
+
+    def _count_finished(self, rank: int) -> None:
+        if rank < self._balancer.dp_size:  # a leaving rank is no longer balanced
+            self._balancer.finished(rank)
+        self._request_done.set()
+        self._request_done = anyio.Event()
+
+    def _forget(self, request_id: str) -> None:
+        """The consumer left early: abort the request on its rank."""
+        self._streams.pop(request_id, None)
+        self._held.pop(request_id, None)
+        rank = self._owner.pop(request_id, None)
+        if rank is not None:
+            self._count_finished(rank)
+            if self._dead is None and not self._closed:
+                self._post(rank, m.AbortRequests(request_ids=(request_id,)))
+
+    def _check_open(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._closed:
+            raise EngineClosedError("the engine's `async with` block has ended")
+
+    def die(self, error: EngineDeadError) -> None:
+        """The engine cannot go on: fail everything in flight with `error`."""
+        if self._dead is not None or self._closed:
+            return
+        self._dead = error
+        self._fail_all(error)
+
+    def _fail_all(self, error: EngineError) -> None:
+        for stream in self._streams.values():
+            stream.fail(error)
+        self._streams.clear()
+        self._owner.clear()
+        for call in self._calls.values():
+            call.done.set()
+        self._calls.clear()
+        self._request_done.set()
+        self._published.set()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._fail_all(EngineClosedError("the engine was closed while the request ran"))
+
+
+def _utility(call_id: int, method: str, **arguments: Any) -> m.UtilityCall:
+    return m.UtilityCall(call_id=call_id, method=method, **arguments)
+
+
+def _request_update(
+    request_id: str,
+    new_tokens: tuple[int, ...],
+    finish_reason: str | None,
+    logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...],
+) -> RequestUpdate:
+    sampled = (
+        tuple(
+            SampledToken(request_id=request_id, token_id=token, logprob=logprob, top_logprobs=top)
+            for token, logprob, top in logprobs
+        )
+        if logprobs
+        else ()
+    )
+    return RequestUpdate(
+        request_id=request_id,
+        new_token_ids=new_tokens,
+        sampled=sampled,
+        finish_reason=None if finish_reason is None else FinishReason(finish_reason),
+    )
+
+
+@asynccontextmanager
+async def serving(core: CoreClient) -> AsyncIterator[FrontEnd]:
+    """The front end over `core`, its tasks running for the block's lifetime."""
+    front = FrontEnd(core)
+    core.on_death(front.die)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(front.receive_outputs)
+        tg.start_soon(front.receive_state)
+        tg.start_soon(front.send_outbox)
+        try:
+            yield front
+        finally:
+            front.close()
+            tg.cancel_scope.cancel()

@@ -1,0 +1,147 @@
+"""The engine's public interface: what `open_engine` returns for every `dp_size`.
+
+One front end (`frontend.engine.FrontEnd`) implements it over either core client: one
+rank in this process, or N rank processes. Every call means the same on both, raises
+the same exceptions (`wavecore.engine.errors`) and `stats()` returns one type, with one
+entry per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from wavecore.engine.outputs import CompletionDelta
+from wavecore.engine.request import Prompt
+from wavecore.engine.sampling_params import SamplingParams
+from wavecore.statemachines import PauseMode
+
+PauseModeName = Literal["abort", "wait", "keep"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CoreStats:
+    """One rank's scheduler and memory. `paused` and `asleep` say why requests wait."""
+
+    num_waiting: int
+    num_running: int
+    kv_usage: float
+    prefix_cache_hit_rate: float
+    num_kv_blocks: int
+    block_size: int
+    paused: str | None
+    asleep: tuple[str, ...]
+    weight_version: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankCounters:
+    """What one rank's loop did: forwards, syncs, waves, requests, the last pause's cost."""
+
+    wave: int
+    step_counter: int
+    running: bool
+    real_steps: int
+    dummy_steps: int
+    syncs: int
+    waves_started: int
+    waves_completed: int
+    requests_added: int
+    requests_held: int
+    # Forwards between the first pause call reaching this rank and its reply.
+    last_pause_forwards: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankStats:
+    rank: int
+    core: CoreStats
+    counters: RankCounters
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineStats:
+    """Every rank's figures (one entry for a single rank), the coordinator's wave view,
+    and which requests wait and why. Taken after every call made before `stats()`."""
+
+    ranks: tuple[RankStats, ...]
+    wave: int
+    engines_running: bool
+    held: Mapping[str, str]
+    requests_per_rank: tuple[int, ...]
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(rank.core.num_waiting for rank in self.ranks)
+
+    @property
+    def num_running(self) -> int:
+        return sum(rank.core.num_running for rank in self.ranks)
+
+    @property
+    def paused(self) -> str | None:
+        """The pause mode every rank holds, None if any rank is not paused."""
+        modes = {rank.core.paused for rank in self.ranks}
+        return modes.pop() if len(modes) == 1 else None
+
+    @property
+    def asleep(self) -> tuple[str, ...]:
+        """What is asleep on any rank."""
+        return tuple(sorted({tag for rank in self.ranks for tag in rank.core.asleep}))
+
+
+class Engine(Protocol):
+    """An LLM engine of one or more data-parallel ranks; safe to call from any task."""
+
+    @property
+    def dp_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        dp_rank: int | None = None,
+    ) -> AsyncIterator[CompletionDelta]:
+        """Stream one request's output. `prompt` is text, chat messages or token ids;
+        `dp_rank` pins the request to a rank. Leaving the loop early aborts it."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Finish a request as aborted; its stream ends with finish reason "abort"."""
+
+    async def pause(
+        self, mode: PauseMode | PauseModeName = PauseMode.KEEP, *, clear_cache: bool = True
+    ) -> None:
+        """Stop scheduling on every rank; return once the pause holds. ABORT finishes
+        every request as aborted, WAIT lets running requests end, KEEP freezes them.
+        Requests that arrive while paused wait. `clear_cache` resets the prefix cache."""
+
+    async def resume(self) -> None:
+        """Undo a pause (refused while one completes, or while asleep)."""
+
+    async def sleep(self, level: int = 1, *, mode: PauseMode | PauseModeName = "abort") -> None:
+        """Pause in `mode`, then free memory: level 0 pauses scheduling only, level 1
+        offloads the weights and drops the KV cache, level 2 drops both. Kept requests
+        are recomputed after `wake_up`."""
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore "weights", "kv_cache" and/or "scheduling" (all if None); scheduling
+        resumes once nothing is asleep any more."""
+
+    async def is_sleeping(self) -> bool: ...
+
+    async def is_paused(self) -> bool: ...
+
+    async def reset_prefix_cache(self) -> None: ...
+
+    async def stats(self) -> EngineStats: ...
+
+    async def scale(self, new_dp_size: int, *, drain_timeout: float | None = None) -> None:
+        """Change the number of DP ranks while serving (refused by a one-rank engine
+        in this process: it has no ranks to add or remove)."""

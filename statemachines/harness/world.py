@@ -1,0 +1,631 @@
+"""A whole DP deployment in miniature: the shared core of the simulation and the explorer.
+
+Theory of operation:
+
+1. Parties: one client (with the ``ScalingMachine`` that scripts its scales), one
+   coordinator, N ranks, and a duplicating network that may hand the coordinator a
+   second copy of any ``wave_complete`` at any later time (the only message the
+   protocol allows twice). Each rank is the very ``RankLoop`` the engine runs, over
+   modelled effects (``toy``): a toy scheduler, FIFO channels, instant replies.
+2. A *move* is one of: deliver the head of a channel, let a rank run its pending step,
+   or let the client act (submit, a call, the next part of a scale). Any enabled move
+   may come next, so messages from different senders interleave arbitrarily and may
+   stay in flight across pauses, barriers and group switches.
+3. A rank takes messages only at the top of an iteration (its loop waits for input or
+   for its next step). Dummy forwards and sleeps complete at once; a collective
+   completes the moment the last of its members enters it (the new group's members
+   for a group join, the current group's otherwise).
+4. A scale is the ``ScalingMachine``'s script: the world performs its actions and
+   feeds the machine when each part is done (new ranks ready at once; the drain done
+   when no request of a leaving rank is left, or aborted by a drain timeout the
+   client may fire at any moment; the pause and the switch answered by every rank;
+   the coordinator's publication of the new size).
+5. The world is a value: ``clone()`` is cheap (machines and loops keep their state in
+   frozen snapshots) and ``key()`` (``reduction``) hashes everything that decides the
+   future. ``invariants`` lists the properties checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from ..coordinator import (
+    BroadcastStartWave,
+    CoordinatorMachine,
+    FirstRequest,
+    PublishState,
+    RankStartedWave,
+    Resize,
+    WaveCompleted,
+)
+from ..errors import ProtocolError
+from ..rank import (
+    JoinGroup,
+    NotifyStartWave,
+    NotifyWaveComplete,
+    PauseMode,
+    PauseRequested,
+    PauseState,
+    RankMachine,
+    Reconfigured,
+    ResumeBarrier,
+    ResumeRequested,
+    ResumeSynced,
+    SleepRequested,
+    StartWave,
+    StepDone,
+    SwitchRequested,
+    SyncDone,
+    SyncDP,
+    WakeUpRequested,
+)
+from ..rank_loop import (
+    AbortRequests,
+    Call,
+    Collective,
+    NewRequest,
+    RankLoop,
+    RunDummy,
+    RunStep,
+    Sleep,
+    WaitForInput,
+    Wake,
+)
+from ..scaling import (
+    CoordinatorResized,
+    Drained,
+    DrainRanks,
+    PauseRanks,
+    RanksPaused,
+    RanksReady,
+    ReconfigureFinished,
+    ResizeCoordinator,
+    ResizeTables,
+    Resumed,
+    ResumeRanks,
+    RouteTo,
+    ScaleRequested,
+    ScalingMachine,
+    StartRanks,
+    StopRanks,
+    SwitchDone,
+    SwitchGroup,
+)
+from .client import ClientRefused, ClientState, RequestSpec, refusal
+from .invariants import Violation, check_after_move, check_quiescent, collective_members
+from .network import CLIENT, COORDINATOR, DUPLICATOR, Message, Network, Party
+from .reduction import world_key
+from .toy import ToyRank, ToyRequest, preempted, toy_step
+
+__all__ = [
+    "CLIENT",
+    "COORDINATOR",
+    "ClientRefused",
+    "RequestSpec",
+    "Violation",
+    "World",
+    "WorldConfig",
+]
+
+Move = tuple[object, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorldConfig:
+    dp_size: int = 2
+    sync_interval: int = 2
+    lockstep: bool = True
+    duplicate_wave_complete: bool = True
+    rank_class: type[RankMachine] = RankMachine
+    coordinator_class: type[CoordinatorMachine] = CoordinatorMachine
+    scaling_class: type[ScalingMachine] = ScalingMachine
+
+
+@dataclass(slots=True)
+class World:
+    config: WorldConfig
+    loops: list[RankLoop]
+    toys: list[ToyRank]
+    coordinator: CoordinatorMachine
+    client: ClientState
+    scaler: ScalingMachine
+    group_size: int
+    network: Network = field(default_factory=Network)
+    trace: list[str] | None = None
+    views_matter: bool = True
+
+    @classmethod
+    def start(cls, config: WorldConfig) -> World:
+        n = config.dp_size
+        world = cls(
+            config=config,
+            loops=[],
+            toys=[],
+            coordinator=config.coordinator_class(n),
+            client=ClientState(group=n, routing=n, published_size=n),
+            scaler=config.scaling_class(),
+            group_size=n,
+        )
+        for r in range(n):
+            world._add_rank(r, n, joining=False)
+        return world
+
+    def _add_rank(self, r: int, dp_size: int, *, joining: bool) -> None:
+        machine = self.config.rank_class(
+            r,
+            dp_size,
+            sync_interval=self.config.sync_interval,
+            lockstep=self.config.lockstep,
+            joining=joining,
+        )
+        self.loops.append(RankLoop(machine))
+        self.toys.append(ToyRank())
+        self.loops[r].start(_RankEffects(self, r))
+
+    # -- value semantics ------------------------------------------------------------------
+
+    def clone(self) -> World:
+        return World(
+            config=self.config,
+            loops=[loop.copy() for loop in self.loops],
+            toys=list(self.toys),
+            coordinator=self.coordinator.copy(),  # type: ignore[arg-type]
+            client=self.client,
+            scaler=self.scaler.copy(),  # type: ignore[arg-type]
+            group_size=self.group_size,
+            network=self.network.copy(),
+            views_matter=self.views_matter,
+        )
+
+    def key(self) -> tuple[object, ...]:
+        return world_key(self)
+
+    def forget_views(self) -> None:
+        """The client will submit nothing more: its view of the engines no longer decides
+        anything, so it is dropped (fewer distinct states, same futures)."""
+        self.views_matter = False
+        # A publication of a new group size still matters: it lets a scale go on.
+        resizes = tuple(
+            m for m in self.network.take(COORDINATOR, CLIENT) if m[3] != self.client.published_size
+        )
+        for message in resizes:
+            self.network.send(COORDINATOR, CLIENT, message)
+        self.client = replace(self.client, wave=0, running=False)
+
+    @property
+    def group(self) -> range:
+        """The ranks of the DP group as it is now (it changes at a scale's switch)."""
+        return range(self.group_size)
+
+    @property
+    def ranks(self) -> list[RankMachine]:
+        return [loop.machine for loop in self.loops]
+
+    def _note(self, text: str | Callable[[], str]) -> None:
+        if self.trace is not None:
+            self.trace.append(text if isinstance(text, str) else text())
+
+    # -- moves ------------------------------------------------------------------------------
+
+    def network_moves(self) -> list[Move]:
+        """Deliveries and rank steps: everything but the client's own initiative."""
+        moves: list[Move] = []
+        for sender, receiver in self.network.pairs():
+            if isinstance(receiver, int) and not isinstance(
+                self.loops[receiver].pending, WaitForInput | RunStep
+            ):
+                continue
+            moves.append(("deliver", sender, receiver))
+        for r, loop in enumerate(self.loops):
+            if isinstance(loop.pending, RunStep):
+                moves.append(("step", r))
+        return moves
+
+    def apply(self, move: Move) -> None:
+        waves_before = self.coordinator.wave
+        if move[0] == "deliver":
+            self._deliver(move[1], move[2])  # type: ignore[arg-type]
+        elif move[0] == "step":
+            self._step(move[1])  # type: ignore[arg-type]
+        elif move[0] in ("scale_next", "drain_timeout"):
+            self._scale_move(move[0])  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"unknown move {move!r}")
+        check_after_move(self, waves_before)
+
+    def quiescent(self) -> bool:
+        return not self.network_moves()
+
+    def check_quiescent(self) -> None:
+        check_quiescent(self)
+
+    def _handle(self, machine: object, event: object, who: str) -> tuple[object, ...]:
+        try:
+            actions = machine.handle(event)  # type: ignore[attr-defined]
+        except ProtocolError as error:
+            raise Violation("protocol_error", f"{who}: {error}") from error
+        self._note(lambda: f"    {who} <- {event} -> {actions}")
+        return actions
+
+    def _deliver(self, sender: Party, receiver: Party) -> None:
+        message = self.network.pop(sender, receiver)
+        self._note(f"deliver {sender}->{receiver} {message}")
+        if receiver == COORDINATOR:
+            self._coordinator_receives(message)
+        elif receiver == CLIENT:
+            self._client_receives(message)
+        else:
+            self._rank_receives(receiver, message)  # type: ignore[arg-type]
+
+    def _client_receives(self, message: Message) -> None:
+        _, wave, running, dp_size = message
+        client = replace(self.client, published_size=dp_size)  # type: ignore[arg-type]
+        if self.views_matter:
+            client = replace(client, wave=wave, running=running)  # type: ignore[arg-type]
+        self.client = client
+
+    # -- coordinator ----------------------------------------------------------------------
+
+    def _coordinator_receives(self, message: Message) -> None:
+        kind = message[0]
+        if kind == "first_req":
+            event: object = FirstRequest(rank=message[1], wave=message[2])  # type: ignore[arg-type]
+        elif kind == "start_wave":
+            event = RankStartedWave(rank=message[1], wave=message[2])  # type: ignore[arg-type]
+        elif kind == "wave_complete":
+            event = WaveCompleted(wave=message[1])  # type: ignore[arg-type]
+        else:
+            event = Resize(dp_size=message[1])  # type: ignore[arg-type]
+        for action in self._handle(self.coordinator, event, "coordinator"):
+            if isinstance(action, BroadcastStartWave):
+                # To the ranks the coordinator knows that still exist: between a scale
+                # down's stop and the coordinator's resize the two differ.
+                for r in range(min(self.coordinator.dp_size, len(self.loops))):
+                    message = ("start_dp_wave", action.wave, action.exclude_rank)
+                    self.network.send(COORDINATOR, r, message)
+            elif isinstance(action, PublishState) and (
+                self.views_matter or len(action.loads) != self.client.published_size
+            ):
+                publication = ("publish", action.wave, action.engines_running, len(action.loads))
+                self.network.send(COORDINATOR, CLIENT, publication)
+
+    # -- ranks ----------------------------------------------------------------------------
+
+    def _rank_receives(self, r: int, message: Message) -> None:
+        loop = self.loops[r]
+        machine = loop.machine
+        held_before = machine.pause_state is not PauseState.UNPAUSED or bool(machine.asleep)
+        kind = message[0]
+        if kind == "add":
+            _, request_id, wave, steps, stalls = message
+            item: object = NewRequest(
+                request_id=str(request_id), wave=wave, payload=(steps, stalls)
+            )  # type: ignore[arg-type]
+        elif kind == "abort":
+            item = AbortRequests(request_ids=tuple(str(i) for i in message[1]))  # type: ignore[union-attr]
+        elif kind == "start_dp_wave":
+            item = StartWave(wave=message[1], exclude_rank=message[2])  # type: ignore[arg-type]
+        else:
+            item = Call(call_id=message[1], request=message[2])  # type: ignore[arg-type]
+        self._note(lambda: f"    rank {r} <- {item}")
+        self.loops[r].deliver(item, _RankEffects(self, r))
+        if kind == "add" and held_before and message[1] not in self.client.held:
+            raise Violation(
+                "silent_wait", f"request {message[1]} reached paused/sleeping rank {r} unannounced"
+            )
+        self._settle(r)
+
+    def _step(self, r: int) -> None:
+        toy = self.toys[r]
+        executed, requests, finished = toy_step(toy.requests, toy.scheduler_pause)
+        self._note(f"step rank {r}: executed={executed} unfinished={len(requests)}")
+        if executed:
+            self._forward(r)
+        self.toys[r] = replace(self.toys[r], requests=requests)
+        self.client = replace(self.client, done=self.client.done | finished)
+        done = StepDone(executed=executed, has_unfinished=bool(requests))
+        self._complete(r, done)
+
+    def _complete(self, r: int, result: object) -> None:
+        self._note(
+            lambda: f"    rank {r} completes {type(self.loops[r].pending).__name__}: {result}"
+        )
+        try:
+            self.loops[r].complete(result, _RankEffects(self, r))
+        except ProtocolError as error:
+            raise Violation("protocol_error", f"rank {r}: {error}") from error
+        self._settle(r)
+
+    def _settle(self, r: int) -> None:
+        """Complete what the rank waits for that completes at once (rule 3)."""
+        pending = self.loops[r].pending
+        if isinstance(pending, RunDummy):
+            self._forward(r)
+            self._complete(r, None)
+        elif isinstance(pending, Sleep):
+            if "kv_cache" in pending.tags:
+                self.toys[r] = replace(self.toys[r], requests=preempted(self.toys[r].requests))
+            self._complete(r, None)
+        elif isinstance(pending, Wake):
+            self._complete(r, None)
+        elif isinstance(pending, Collective):
+            self._complete_collective(collective_members(self, pending.action))
+
+    def _forward(self, r: int) -> None:
+        machine = self.loops[r].machine
+        if machine.pause_state is PauseState.PAUSED:
+            raise Violation("forward_after_pause", f"rank {r} ran a forward after pause consensus")
+        if self.client.paused:
+            raise Violation(
+                "forward_after_pause_reply",
+                f"rank {r} ran a forward after the client saw the pause done",
+            )
+        toy = self.toys[r]
+        wave = machine.wave
+        forwards = toy.forwards + 1 if toy.forwards_wave == wave else 1
+        self.toys[r] = replace(toy, forwards=forwards, forwards_wave=wave)
+
+    def _complete_collective(self, members: range) -> None:
+        if len(self.loops) < len(members):
+            return
+        pendings = [self.loops[r].pending for r in members]
+        if not all(isinstance(p, Collective) for p in pendings):
+            return
+        actions = [p.action for p in pendings]  # type: ignore[union-attr]
+        if len({type(a) for a in actions}) != 1:
+            return  # the invariants report the mismatch
+        first = actions[0]
+        if isinstance(first, SyncDP):
+            results: list[object] = [self._sync_result(members, actions)] * len(members)  # type: ignore[arg-type]
+        elif isinstance(first, ResumeBarrier):
+            synced = ResumeSynced(any_unfinished=any(a.has_unfinished for a in actions))  # type: ignore[union-attr]
+            results = [synced] * len(members)
+        else:
+            results = self._join_results(members, actions)  # type: ignore[arg-type]
+        self._note(f"collective {type(first).__name__} of ranks {list(members)} completes")
+        for r, result in zip(members, results, strict=True):
+            self._complete(r, result)
+
+    def _join_results(self, members: range, actions: list[JoinGroup]) -> list[object]:
+        self.group_size = len(members)
+        merged = Reconfigured(
+            rank=0,
+            dp_size=len(members),
+            wave=max(a.wave for a in actions),
+            running=any(a.running for a in actions),
+            step_counter=max(a.step_counter for a in actions),
+        )
+        return [replace(merged, rank=r) for r in members]
+
+    def _sync_result(self, members: range, contributions: list[SyncDP]) -> SyncDone:
+        waves = {c.wave for c in contributions}
+        steps = {c.step_counter for c in contributions}
+        if len(waves) > 1 or len(steps) > 1:
+            raise Violation("lockstep", f"all-reduce met waves {waves} and step counters {steps}")
+        for r, c in zip(members, contributions, strict=True):
+            toy = self.toys[r]
+            forwards = toy.forwards if toy.forwards_wave == c.wave else 0
+            if forwards != c.step_counter:
+                raise Violation(
+                    "lockstep",
+                    f"rank {r} ran {forwards} forwards in wave {c.wave} but is at step {c.step_counter}",
+                )
+        return SyncDone(
+            any_unfinished=any(c.has_unfinished for c in contributions),
+            pausing_ranks=sum(c.pending_pause for c in contributions),
+            wave_span=(min(waves), max(waves)),
+            step_counter_span=(min(steps), max(steps)),
+        )
+
+    # -- the client -------------------------------------------------------------------------
+
+    def submit(self, spec: RequestSpec) -> int:
+        client = self.client
+        target = spec.rank % client.routing
+        request_id = client.submitted
+        self._note(f"client submits request {request_id} ({spec.steps} steps) to rank {target}")
+        self.network.send(CLIENT, target, ("add", request_id, client.wave, spec.steps, spec.stalls))
+        if not client.running:
+            self.network.send(CLIENT, COORDINATOR, ("first_req", target, client.wave))
+        self.client = replace(
+            client,
+            submitted=request_id + 1,
+            owners=(*client.owners, target),
+            running=True,
+        )
+        return request_id
+
+    def refusal(self, op: tuple[object, ...]) -> str | None:
+        """Why the client would refuse ``op`` now, or None when it may go ahead."""
+        return refusal(self.client, op, self.scaler.active)
+
+    def client_op(self, op: tuple[object, ...]) -> None:
+        reason = self.refusal(op)
+        if reason is not None:
+            raise ClientRefused(f"{op[0]}: {reason}")
+        self._note(f"client {op}")
+        kind = op[0]
+        if kind == "pause":
+            self._call(range(self.client.group), PauseRequested(mode=op[1]), awaited=True)  # type: ignore[arg-type]
+        elif kind == "resume":
+            self._call(range(self.client.group), ResumeRequested(), awaited=False)
+            self.client = replace(self.client, paused=False)
+        elif kind == "sleep":
+            mode = op[2] if len(op) > 2 else PauseMode.ABORT
+            sleep = SleepRequested(level=op[1], mode=mode)  # type: ignore[arg-type]
+            self._call(range(self.client.group), sleep, awaited=True)
+            self.client = replace(self.client, asleep=True)
+        elif kind == "wake":
+            self._call(range(self.client.group), WakeUpRequested(), awaited=False)
+            self.client = replace(self.client, asleep=False, paused=False)
+        else:
+            old = self.client.group
+            event = ScaleRequested(old_dp_size=old, dp_size=op[1])  # type: ignore[arg-type]
+            self._scale_actions(self._handle(self.scaler, event, "scaler"))
+        check_after_move(self, self.coordinator.wave)
+
+    def _call(self, ranks: range | tuple[int, ...], request: object, *, awaited: bool) -> None:
+        call_id = self.client.calls
+        for r in ranks:
+            self.network.send(CLIENT, r, ("call", call_id, request))
+        self.client = replace(self.client, calls=call_id + 1)
+        if awaited:
+            self.client = replace(self.client, awaited_call=call_id, awaiting=frozenset(ranks))
+
+    def answered(self, r: int, call_id: int, error: str | None) -> None:
+        if error is not None:
+            raise Violation("protocol_error", f"rank {r} refused call {call_id}: {error}")
+        client = self.client
+        if call_id != client.awaited_call:
+            return
+        awaiting = client.awaiting - {r}
+        if awaiting:
+            self.client = replace(client, awaiting=awaiting)
+            return
+        # A pause, a sleep, or a scale's pause or switch: every rank answered.
+        self.client = replace(client, awaiting=awaiting, awaited_call=None, paused=True)
+
+    # -- scaling ------------------------------------------------------------------------------
+
+    def scale_moves(self) -> list[Move]:
+        """The client's moves that take a scale on: its next part, or a drain timeout."""
+        phase = self.scaler.phase.name
+        client = self.client
+        moves: list[Move] = []
+        target = self.scaler.target_dp_size or 0
+        if phase == "DRAINING":
+            leaving = range(target, client.group)
+            if client.unfinished_on(leaving):
+                moves.append(("drain_timeout",))
+            else:
+                moves.append(("scale_next",))
+        elif (phase in ("PAUSING", "SWITCHING") and not client.awaiting) or (
+            phase == "RESIZING" and client.published_size == target
+        ):
+            moves.append(("scale_next",))
+        return moves
+
+    def _scale_move(self, kind: str) -> None:
+        if (kind,) not in self.scale_moves():
+            raise ClientRefused(f"{kind}: not possible in {self.scaler.phase.name}")
+        self._note(f"client scale: {kind}")
+        if kind == "drain_timeout":
+            target = self.scaler.target_dp_size or 0
+            for r in range(target, self.client.group):
+                ids = self.client.unfinished_on(range(r, r + 1))
+                if ids:
+                    self.network.send(CLIENT, r, ("abort", ids))
+            return
+        event = {
+            "DRAINING": Drained(),
+            "PAUSING": RanksPaused(),
+            "SWITCHING": SwitchDone(),
+            "RESIZING": CoordinatorResized(),
+        }[self.scaler.phase.name]
+        self._scale_actions(self._handle(self.scaler, event, "scaler"))
+
+    def _scale_actions(self, actions: tuple[object, ...]) -> None:
+        for action in actions:
+            if isinstance(action, StartRanks):
+                for r in action.ranks:
+                    self._add_rank(r, action.dp_size, joining=True)
+                self._scale_actions(self._handle(self.scaler, RanksReady(), "scaler"))
+            elif isinstance(action, RouteTo):
+                self.client = replace(self.client, routing=action.dp_size)
+            elif isinstance(action, DrainRanks):
+                pass  # the drain is the client's waiting (``scale_moves``)
+            elif isinstance(action, PauseRanks):
+                self._call(action.ranks, PauseRequested(mode=PauseMode.KEEP), awaited=True)
+            elif isinstance(action, StopRanks):
+                self._stop_ranks(action.ranks)
+            elif isinstance(action, SwitchGroup):
+                self._call(
+                    range(action.dp_size), SwitchRequested(dp_size=action.dp_size), awaited=True
+                )
+            elif isinstance(action, ResizeCoordinator):
+                self.network.send(CLIENT, COORDINATOR, ("resize", action.dp_size))
+            elif isinstance(action, ResizeTables):
+                self.client = replace(self.client, group=action.dp_size, routing=action.dp_size)
+            elif isinstance(action, ResumeRanks):
+                self._call(action.ranks, ResumeRequested(), awaited=False)
+                self.client = replace(self.client, paused=False)
+                self._scale_actions(self._handle(self.scaler, Resumed(), "scaler"))
+            elif isinstance(action, ReconfigureFinished):
+                pass
+            else:
+                raise Violation("scale", f"the simulation cannot perform {action}")
+
+    def _stop_ranks(self, ranks: tuple[int, ...]) -> None:
+        for r in ranks:
+            lost = [q.id for q in self.toys[r].requests]
+            if lost:
+                raise Violation("request_lost", f"leaving rank {r} still held {sorted(lost)}")
+            for sender in (CLIENT, COORDINATOR):
+                for message in self.network.take(sender, r):
+                    if message[0] == "add":
+                        raise Violation(
+                            "request_lost", f"request {message[1]} sent to leaving rank {r}"
+                        )
+        keep = min(ranks)
+        del self.loops[keep:]
+        del self.toys[keep:]
+        self.group_size = keep
+
+
+class _RankEffects:
+    """The modelled effects of rank ``r`` (``rank_loop.RankEffects``)."""
+
+    def __init__(self, world: World, r: int) -> None:
+        self.world = world
+        self.r = r
+
+    def add_request(self, request_id: str, payload: object) -> None:
+        steps, stalls = payload  # type: ignore[misc]
+        toy = self.world.toys[self.r]
+        request = ToyRequest(id=int(request_id), remaining=steps, stalls=stalls)
+        self.world.toys[self.r] = replace(toy, requests=(*toy.requests, request))
+
+    def abort_requests(self, request_ids: tuple[str, ...]) -> None:
+        self._finish(frozenset(int(i) for i in request_ids))
+
+    def stop_requests(self, request_ids: tuple[str, ...]) -> None:
+        self._finish(frozenset(int(i) for i in request_ids))
+
+    def _finish(self, ids: frozenset[int]) -> None:
+        world = self.world
+        toy = world.toys[self.r]
+        held = frozenset(q.id for q in toy.requests) & ids
+        kept = tuple(q for q in toy.requests if q.id not in ids)
+        world.toys[self.r] = replace(toy, requests=kept)
+        world.client = replace(world.client, done=world.client.done | held)
+
+    def pause_scheduler(self, mode: PauseMode) -> None:
+        if mode is PauseMode.ABORT:
+            self._finish(frozenset(q.id for q in self.world.toys[self.r].requests))
+        self.world.toys[self.r] = replace(self.world.toys[self.r], scheduler_pause=mode)
+
+    def resume_scheduler(self) -> None:
+        self.world.toys[self.r] = replace(self.world.toys[self.r], scheduler_pause=None)
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def notify_coordinator(self, message: NotifyStartWave | NotifyWaveComplete) -> None:
+        network = self.world.network
+        if isinstance(message, NotifyStartWave):
+            network.send(self.r, COORDINATOR, ("start_wave", self.r, message.wave))
+            return
+        network.send(self.r, COORDINATOR, ("wave_complete", message.wave))
+        if self.world.config.duplicate_wave_complete:
+            network.send(DUPLICATOR, COORDINATOR, ("wave_complete", message.wave))
+
+    def announce_held(self, request_ids: tuple[str, ...], reason: str) -> None:
+        held = frozenset(int(i) for i in request_ids)
+        self.world.client = replace(self.world.client, held=self.world.client.held | held)
+
+    def report(self) -> object:
+        return None
+
+    def reply(self, call_id: int, *, error: str | None = None, result: object = None) -> None:
+        self.world.answered(self.r, call_id, error)
