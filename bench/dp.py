@@ -87,7 +87,8 @@ async def _pause_latency(engine: Engine, repeats: int) -> dict[str, float]:
             while sum(r.core.num_running for r in (await engine.stats()).ranks) < engine.dp_size:
                 pass
             start = time.perf_counter()
-            await engine.pause(PauseMode.KEEP)
+            # The protocol's latency alone: no prefix-cache reset after the pause.
+            await engine.pause(PauseMode.KEEP, clear_cache=False)
             millis.append((time.perf_counter() - start) * 1000)
             stats = await engine.stats()
             steps.append(max(r.counters.last_pause_forwards for r in stats.ranks))

@@ -28,6 +28,10 @@ class EngineConfig:
     rank in this process has no peers to step with: it always runs independently.
     `transport` is how the processes talk (`ipc` sockets, or `tcp` on loopback);
     `startup_timeout` bounds the wait for every rank to load and report ready.
+
+    `prefill_interval=K` admits new requests only on every K-th step (decodes run every
+    step), trading time to first token for steadier inter-token latency; lockstep ranks
+    count steps in their wave, so all of them admit on the same steps.
     """
 
     model: str | None = None
@@ -37,6 +41,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    prefill_interval: int = 1
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -78,6 +83,7 @@ class EngineConfig:
             "block_size",
             "max_num_seqs",
             "max_num_batched_tokens",
+            "prefill_interval",
             "dp_size",
             "sync_interval",
         ):

@@ -136,12 +136,15 @@ class Simulation:
         return True
 
     def run(self, max_moves: int = 100_000) -> int:
-        """Step until quiescent (then check the end-state properties) or ``max_moves``."""
+        """Step until quiescent, then check the end-state properties. A run still moving
+        after ``max_moves`` is a livelock (ranks stepping forever), never a success."""
         start = self.moves
-        while self.moves - start < max_moves and self.step():
-            pass
-        if self.quiescent():
-            self._guard(self.world.check_quiescent)
+        while self.step():
+            if self.moves - start >= max_moves:
+                violation = Violation("livelock", f"still moving after {max_moves} moves")
+                violation.trace = list(self.trace)
+                raise violation
+        self._guard(self.world.check_quiescent)
         return self.moves - start
 
 

@@ -52,6 +52,7 @@ class EngineCore:
                 executor,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
+                prefill_interval=config.prefill_interval,
                 enable_prefix_caching=config.enable_prefix_caching,
                 eos_token_id=eos_token_id,
             )
@@ -142,11 +143,12 @@ class EngineCore:
 
     # -- one step --------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput | None:
-        """The next step, or None when there is nothing to run now."""
+    def schedule(self, step_counter: int | None = None) -> SchedulerOutput | None:
+        """The next step, or None when there is nothing to run now. `step_counter`
+        feeds the prefill cadence (default: the scheduler's own count of steps)."""
         if not self.scheduler.has_work():
             return None
-        step = self.scheduler.schedule()
+        step = self.scheduler.schedule(step_counter)
         if step.is_empty:
             # Nothing fitted this time (e.g. the prefill throttle); close the step.
             self.scheduler.update(step, ModelOutput(sampled=()))

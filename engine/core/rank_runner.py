@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import anyio
+import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from wavecore.engine import messages as m
@@ -194,8 +195,13 @@ class RankRunner:
                     self._deliver(item)
                     continue
                 await self._publish_load()
-                loop.complete(await self._step(inbox), self._effects)
+                done = await self._step(inbox)
+                loop.complete(done, self._effects)
                 await self._flush()  # the iteration's updates: one StepOutputs
+                if not done.executed:
+                    # Nothing ran (e.g. the prefill cadence skipped this step): let the
+                    # inputs' tasks run before the next try.
+                    await anyio.lowlevel.checkpoint()
                 continue
             await self._flush()
             if isinstance(pending, RunDummy):
@@ -223,7 +229,9 @@ class RankRunner:
 
     async def _step(self, inbox: MemoryObjectReceiveStream[Any]) -> StepDone:
         core = self.core
-        step = core.schedule()
+        machine = self.loop.machine
+        # Lockstep ranks admit prefills on the same steps: those of their shared count.
+        step = core.schedule(machine.step_counter if machine.lockstep else None)
         if step is not None:
             output = await self._thread.run(core.execute, step)
             self._take_waiting_aborts(inbox)

@@ -119,7 +119,7 @@ class FrontEnd:
         self._outbox_ready = anyio.Event()
         # Sends go out in the order they were made, posted ones included (an abort of a
         # stream left early must reach its rank before a later call does).
-        self._send_lock = anyio.Lock()
+        self._send_lock = anyio.Lock(fast_acquire=True)
         self._request_done = anyio.Event()
         self._published = anyio.Event()
         self._wave = 0

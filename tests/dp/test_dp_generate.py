@@ -121,3 +121,24 @@ async def test_idle_rank_runs_dummy_batches_and_waves_end_together(engine: Engin
     assert after[0].counters.wave == after[1].counters.wave > before[0].counters.wave
     assert after[0].counters.waves_completed > before[0].counters.waves_completed
     assert after[1].counters.waves_started > before[1].counters.waves_started
+
+
+async def test_lockstep_ranks_admit_prefills_on_the_prefill_cadence() -> None:
+    """`prefill_interval` reaches every rank (in its configuration hash too) and the
+    ranks, admitting only on every third step of their wave, still serve exactly."""
+    prompts = [f"cadence {i}" for i in range(10)]
+    results: dict[str, list] = {}
+
+    async def run(prompt: str) -> None:
+        results[prompt] = await collect(prompted, prompt, SamplingParams(max_tokens=9))
+
+    with anyio.fail_after(HANG_GUARD):
+        async with (
+            open_engine(null_config(prefill_interval=3)) as prompted,
+            anyio.create_task_group() as tg,
+        ):
+            for prompt in prompts:
+                tg.start_soon(run, prompt)
+    assert {p: tokens_of(d) for p, d in results.items()} == {
+        p: expected_tokens(p, 9) for p in prompts
+    }

@@ -3,11 +3,12 @@ pauses in every mode, resumes (duplicates included), sleeps and scaling."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from wavecore.statemachines import PauseMode, PauseState
-from wavecore.statemachines.sim import Simulation
+from wavecore.statemachines.sim import Simulation, Violation
 
 
 class DeploymentRules(RuleBasedStateMachine):
@@ -78,3 +79,13 @@ class DeploymentRules(RuleBasedStateMachine):
 
 
 TestDeployment = DeploymentRules.TestCase
+
+
+def test_a_run_that_never_settles_is_a_violation_not_a_success() -> None:
+    sim = Simulation(2, seed=3, sync_interval=3)
+    sim.submit(steps=50)
+    with pytest.raises(Violation, match="livelock") as caught:
+        sim.run(max_moves=10)
+    assert caught.value.trace, "a violation must come with its trace"
+    sim.run()  # with room to finish, the same run settles and holds every property
+    assert sim.quiescent()

@@ -1,0 +1,191 @@
+"""The rank runner as a lockstep DP rank runs it (rank 0 of a one-rank group here, so
+that the model thread's gates can hold a step): the prefill cadence follows the
+machine's step counter, and an abort that arrives while a step runs wins over it."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pytest
+
+from wavecore.engine import messages as m
+from wavecore.engine.config import EngineConfig
+from wavecore.engine.core.engine_core import EngineCore
+from wavecore.engine.core.model_thread import ModelThread
+from wavecore.engine.core.rank_runner import RankRunner, Shutdown
+from wavecore.engine.executors.batch import ModelBatch, ModelOutput
+from wavecore.engine.executors.null_executor import NullExecutor
+from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
+from wavecore.engine.sampling_params import SamplingParams
+from wavecore.statemachines import RankMachine, SyncDone
+
+pytestmark = pytest.mark.anyio
+HANG_GUARD = 30
+TOKENIZER = ByteTokenizer()
+
+
+class OneRankGroup:
+    """The all-reduce of a group of one: every result is this rank's own."""
+
+    def sync(
+        self, *, has_unfinished: bool, pending_pause: bool, wave: int, step_counter: int
+    ) -> SyncDone:
+        return SyncDone(
+            any_unfinished=has_unfinished,
+            pausing_ranks=int(pending_pause),
+            wave_span=(wave, wave),
+            step_counter_span=(step_counter, step_counter),
+        )
+
+    def barrier(self, *, has_unfinished: bool) -> bool:
+        return has_unfinished
+
+
+class GatedExecutor(NullExecutor):
+    """A null executor whose steps can be held at a gate."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            num_kv_blocks=256,
+            max_model_len=1024,
+            vocab_size=TOKENIZER.vocab_size,
+            eos_token_id=TOKENIZER.eos_token_id,
+        )
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def execute(self, batch: ModelBatch) -> ModelOutput:
+        self.entered.set()
+        self.gate.wait()
+        return super().execute(batch)
+
+
+class Outputs:
+    """The runner's output sink: what the front end would receive."""
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+        self.arrived = anyio.Event()
+
+    async def send(self, item: Any) -> None:
+        self.messages.append(item)
+        self.arrived.set()
+        self.arrived = anyio.Event()
+
+    async def flush(self) -> None:
+        pass
+
+    def tokens(self, request_id: str) -> tuple[list[int], str | None]:
+        tokens: list[int] = []
+        reason = None
+        for message in self.messages:
+            if isinstance(message, m.StepOutputs):
+                position = 0
+                for rid, count in zip(message.request_ids, message.token_counts, strict=True):
+                    if rid == request_id:
+                        tokens += message.token_ids[position : position + count]
+                    position += count
+                reason = message.finished.get(request_id, reason)
+        return tokens, reason
+
+
+def add(request_id: str, prompt: str, max_tokens: int) -> m.AddRequest:
+    return m.AddRequest(
+        request_id=request_id,
+        prompt_token_ids=tuple(prompt.encode()),
+        params=SamplingParams(max_tokens=max_tokens),
+        wave=0,
+    )
+
+
+async def test_lockstep_prefills_are_admitted_on_the_machines_cadence() -> None:
+    interval = 3
+    core = EngineCore(
+        executor=GatedExecutor(),
+        tokenizer=TOKENIZER,
+        config=EngineConfig(executor="null", prefill_interval=interval),
+        eos_token_id=TOKENIZER.eos_token_id,
+    )
+    machine = RankMachine(0, 1, sync_interval=4, lockstep=True)
+    admissions: list[tuple[int, int]] = []  # (machine step counter, requests admitted)
+    schedule = core.schedule
+
+    def recording_schedule(step_counter: int | None = None) -> Any:
+        before = core.scheduler.num_running
+        step = schedule(step_counter)
+        assert step_counter == machine.step_counter
+        admissions.append((step_counter, core.scheduler.num_running - before))
+        return step
+
+    core.schedule = recording_schedule  # type: ignore[method-assign]
+    outputs = Outputs()
+    to_rank, inbox = anyio.create_memory_object_stream[Any](math.inf)
+    with anyio.fail_after(HANG_GUARD), ModelThread() as thread:
+        runner = RankRunner(
+            core=core,
+            machine=machine,
+            model_thread=thread,
+            group=OneRankGroup(),
+            outputs=outputs,
+            coordinator=None,
+            on_invalid=pytest.fail,
+        )
+        async with to_rank, inbox, anyio.create_task_group() as tg:
+            tg.start_soon(runner.run, inbox)
+            await to_rank.send(add("first", "a", 20))
+            while len(outputs.tokens("first")[0]) < 5:
+                await outputs.arrived.wait()
+            # Mid-wave: the next admission waits for the cadence.
+            await to_rank.send(add("late", "b", 4))
+            while outputs.tokens("late")[1] is None:
+                await outputs.arrived.wait()
+            await to_rank.send(Shutdown())
+    admitted = [counter for counter, count in admissions if count]
+    assert admitted == [0, admitted[1]] and admitted[1] > 5
+    assert all(counter % interval == 0 for counter in admitted)
+
+
+async def test_an_abort_during_a_lockstep_ranks_step_wins_over_its_output() -> None:
+    executor = GatedExecutor()
+    core = EngineCore(
+        executor=executor,
+        tokenizer=TOKENIZER,
+        config=EngineConfig(executor="null"),
+        eos_token_id=TOKENIZER.eos_token_id,
+    )
+    outputs = Outputs()
+    to_rank, inbox = anyio.create_memory_object_stream[Any](math.inf)
+    with anyio.fail_after(HANG_GUARD), ModelThread() as thread:
+        runner = RankRunner(
+            core=core,
+            machine=RankMachine(0, 1, sync_interval=4, lockstep=True),
+            model_thread=thread,
+            group=OneRankGroup(),
+            outputs=outputs,
+            coordinator=None,
+            on_invalid=pytest.fail,
+        )
+        async with to_rank, inbox, anyio.create_task_group() as tg:
+            tg.start_soon(runner.run, inbox)
+            await to_rank.send(add("r", "abc", 100))
+            while not outputs.tokens("r")[0]:
+                await outputs.arrived.wait()
+            executor.entered.clear()
+            executor.gate.clear()
+            await anyio.to_thread.run_sync(executor.entered.wait)
+            # A step that holds "r" runs on the model thread now; every step before it
+            # gave "r" one token.
+            steps_before = executor.num_steps
+            await to_rank.send(m.AbortRequests(request_ids=("r",)))
+            executor.gate.set()
+            while outputs.tokens("r")[1] is None:
+                await outputs.arrived.wait()
+            await to_rank.send(Shutdown())
+    tokens, reason = outputs.tokens("r")
+    assert reason == "abort"
+    assert len(tokens) == steps_before
