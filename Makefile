@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench clean
+.PHONY: test demo lint bench check-protocol clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/wavecore generate --demo
+
+# Every scenario of the explorer at dp 2 and dp 3 (about a minute each); `make test`
+# runs most of them.
+check-protocol: $(STAMP)
+	$(BIN)/python -m wavecore.statemachines.sim --dp 2 --depth 40
+	$(BIN)/python -m wavecore.statemachines.sim --dp 3 --depth 40
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

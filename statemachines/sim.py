@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -163,9 +164,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, config in default_configs(args.dp):
         if args.variant:
             config = config.broken(args.variant)
+        started = time.perf_counter()
         result = explore(config, args.depth)
+        seconds = time.perf_counter() - started
         total += result.states
-        print(f"{name}: dp={args.dp} depth={result.depth} states explored: {result.states}")
+        print(
+            f"{name}: dp={args.dp} depth={result.depth} states explored: {result.states} "
+            f"({seconds:.1f} s)"
+        )
         if result.violation is not None:
             print(result.violation.report())
             return 1

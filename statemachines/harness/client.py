@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..rank import PauseMode
+
 
 class ClientRefused(Exception):
     """The client refuses an operation in its current state (e.g. resume while pausing)."""
@@ -37,6 +39,8 @@ class ClientState:
     held: frozenset[int] = frozenset()
     calls: int = 0
     awaited_call: int | None = None
+    # The mode of the awaited pause or sleep: each rank's answer is checked against it.
+    awaited_mode: PauseMode | None = None
     awaiting: frozenset[int] = frozenset()
     paused: bool = False
     asleep: bool = False

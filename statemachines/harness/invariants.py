@@ -16,7 +16,7 @@ accepted request finished unless the engines are paused.
 
 from __future__ import annotations
 
-from ..rank import JoinGroup, PauseState, SyncDP
+from ..rank import JoinGroup, PauseMode, PauseState, SyncDP
 from ..rank_loop import Collective, WaitForInput
 from .view import WorldView
 
@@ -45,6 +45,12 @@ def check_after_move(world: WorldView, coordinator_wave_before: int) -> None:
     wave = world.coordinator.wave
     if wave < coordinator_wave_before:
         raise Violation("coordinator_wave", f"went back from {coordinator_wave_before} to {wave}")
+    if world.client.paused:
+        unpaused = [
+            r for r in world.group if world.loops[r].machine.pause_state is not PauseState.PAUSED
+        ]
+        if unpaused:
+            raise Violation("paused_view", f"the client sees paused engines, ranks {unpaused} not")
     rank_wave = max(world.loops[r].machine.wave for r in world.group)
     if wave > rank_wave:
         raise Violation("coordinator_wave", f"coordinator at {wave}, ranks at most {rank_wave}")
@@ -88,6 +94,24 @@ def _check_drift(world: WorldView, r: int, action: SyncDP, waiting: dict[int, ob
                 f"rank {q} ran {peer.forwards} forwards while rank {r} waits at step "
                 f"{action.step_counter}",
             )
+
+
+def check_answer(world: WorldView, r: int, mode: PauseMode | None) -> None:
+    """Each call's contract, when rank ``r`` answers a pause or sleep in ``mode``: the
+    rank is paused, and after an ABORT or WAIT pause nothing it admitted is left to run
+    (requests that arrived since wait unadmitted; a KEEP pause keeps them frozen)."""
+    machine = world.loops[r].machine
+    if machine.pause_state is not PauseState.PAUSED:
+        raise Violation("call_contract", f"rank {r} answered while {machine.pause_state.name}")
+    toy = world.toys[r]
+    # Admitted requests may stay only frozen: a WAIT pause answered over a KEEP pause
+    # keeps what the KEEP froze (rank rule 7).
+    admitted = [q.id for q in toy.requests if q.admitted]
+    frozen = toy.scheduler_pause is PauseMode.KEEP
+    if mode in (PauseMode.ABORT, PauseMode.WAIT) and admitted and not frozen:
+        raise Violation(
+            "call_contract", f"rank {r} answered a {mode.name} pause still running {admitted}"
+        )
 
 
 def check_quiescent(world: WorldView) -> None:

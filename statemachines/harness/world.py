@@ -93,7 +93,13 @@ from ..scaling import (
     SwitchGroup,
 )
 from .client import ClientRefused, ClientState, RequestSpec, refusal
-from .invariants import Violation, check_after_move, check_quiescent, collective_members
+from .invariants import (
+    Violation,
+    check_after_move,
+    check_answer,
+    check_quiescent,
+    collective_members,
+)
 from .network import CLIENT, COORDINATOR, DUPLICATOR, Message, Network, Party
 from .reduction import world_key
 from .toy import ToyRank, ToyRequest, preempted, toy_step
@@ -458,7 +464,9 @@ class World:
             self.client = replace(self.client, asleep=True)
         elif kind == "wake":
             self._call(range(self.client.group), WakeUpRequested(), awaited=False)
-            self.client = replace(self.client, asleep=False, paused=False)
+            # Only a wake of something asleep resumes the ranks (rank rule 10).
+            if self.client.asleep:
+                self.client = replace(self.client, asleep=False, paused=False)
         else:
             old = self.client.group
             event = ScaleRequested(old_dp_size=old, dp_size=op[1])  # type: ignore[arg-type]
@@ -471,7 +479,10 @@ class World:
             self.network.send(CLIENT, r, ("call", call_id, request))
         self.client = replace(self.client, calls=call_id + 1)
         if awaited:
-            self.client = replace(self.client, awaited_call=call_id, awaiting=frozenset(ranks))
+            mode = getattr(request, "mode", None)
+            self.client = replace(
+                self.client, awaited_call=call_id, awaiting=frozenset(ranks), awaited_mode=mode
+            )
 
     def answered(self, r: int, call_id: int, error: str | None) -> None:
         if error is not None:
@@ -479,12 +490,15 @@ class World:
         client = self.client
         if call_id != client.awaited_call:
             return
+        check_answer(self, r, client.awaited_mode)
         awaiting = client.awaiting - {r}
         if awaiting:
             self.client = replace(client, awaiting=awaiting)
             return
         # A pause, a sleep, or a scale's pause or switch: every rank answered.
-        self.client = replace(client, awaiting=awaiting, awaited_call=None, paused=True)
+        self.client = replace(
+            client, awaiting=awaiting, awaited_call=None, awaited_mode=None, paused=True
+        )
 
     # -- scaling ------------------------------------------------------------------------------
 
