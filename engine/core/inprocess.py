@@ -37,7 +37,9 @@ class _StreamSink:
         self._stream = stream
 
     async def send(self, item: Any) -> None:
-        await self._stream.send(item)
+        # Unbounded, so it never blocks; no checkpoint either: the rank's next await
+        # (its forward on the model thread) lets the front end take the message.
+        self._stream.send_nowait(item)
 
     async def flush(self) -> None:
         pass
@@ -80,7 +82,7 @@ class InProcessClient:
         """The rank reports its own failure (`RankFailed`); nothing else can die here."""
 
     async def send(self, rank: int, message: Any) -> None:
-        await self._to_rank.send(message)
+        self._to_rank.send_nowait(message)  # unbounded: never blocks
 
     async def send_coordinator(self, message: Any) -> None:
         pass
