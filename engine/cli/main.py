@@ -3,129 +3,29 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any, TextIO
+from dataclasses import dataclass
 
 import anyio
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.table import Table
 
-from wavecore.engine.cli.demo_prompts import DEMO_PROMPTS
 from wavecore.engine.cli.latency import RequestTimer, RunSummary
+from wavecore.engine.cli.prompts import PromptJob, UsageError, load_inputs
+from wavecore.engine.cli.results import ResultLog, open_output, print_error
 from wavecore.engine.config import EngineConfig
+from wavecore.engine.errors import EngineDeadError, InvalidRequestError
 from wavecore.engine.interface import Engine
-from wavecore.engine.sampling_params import SamplingParams
 
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 # About 10-30 us of spinning on a current x86 core: longer than the Python between two
 # ops of a step, far shorter than libgomp's default (see `bound_openmp_spinning`).
 OPENMP_SPIN_COUNT = 30_000
-
-
-class UsageError(Exception):
-    """A command-line input problem, reported as one line and exit status 2."""
-
-
-@dataclass(slots=True, kw_only=True)
-class PromptJob:
-    """One prompt of a run, and what came back for it."""
-
-    prompt: str | list[dict[str, str]]
-    params: SamplingParams
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    timer: RequestTimer | None = None
-
-    def result(self) -> dict[str, Any]:
-        return {
-            "prompt": self.prompt,
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": len(self.token_ids),
-        }
-
-
-def _sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    chosen = {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "seed": args.seed,
-        "stop": tuple(args.stop or ()),
-    }
-    return {name: value for name, value in chosen.items() if value is not None}
-
-
-def _parse_prompt_line(line: str, where: str, defaults: dict[str, Any], chat: bool) -> PromptJob:
-    """A line is plain text, or a JSON object with `prompt` or `messages` and sampling fields."""
-    if not line.lstrip().startswith("{"):
-        return PromptJob(prompt=_as_chat(line, chat), params=SamplingParams(**defaults))
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{where}: not valid JSON ({error.msg})") from None
-    unknown = set(record) - _SAMPLING_FIELDS - {"prompt", "messages"}
-    if unknown:
-        raise UsageError(f"{where}: unknown field(s) {sorted(unknown)}")
-    if ("prompt" in record) == ("messages" in record):
-        raise UsageError(f"{where}: give exactly one of 'prompt' or 'messages'")
-    overrides = {k: v for k, v in record.items() if k in _SAMPLING_FIELDS}
-    try:
-        params = SamplingParams(**{**defaults, **overrides})
-    except (TypeError, ValueError) as error:
-        raise UsageError(f"{where}: {error}") from None
-    if "messages" in record:
-        return PromptJob(prompt=record["messages"], params=params)
-    return PromptJob(prompt=_as_chat(record["prompt"], chat), params=params)
-
-
-def _as_chat(text: str, chat: bool) -> str | list[dict[str, str]]:
-    return [{"role": "user", "content": text}] if chat else text
-
-
-def load_jobs(args: argparse.Namespace, stdin: TextIO) -> list[PromptJob]:
-    defaults = _sampling_from_args(args)
-    try:
-        SamplingParams(**defaults)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    jobs: list[PromptJob] = []
-    if args.demo:
-        jobs += [_parse_prompt_line(p, "demo", defaults, True) for p in DEMO_PROMPTS]
-    for text in args.prompt or ():
-        jobs.append(PromptJob(prompt=_as_chat(text, args.chat), params=SamplingParams(**defaults)))
-    if args.prompts_file is not None:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise UsageError(f"--prompts-file {path}: no such file")
-        lines = path.read_text(encoding="utf-8").splitlines()
-        jobs += [
-            _parse_prompt_line(line, f"{path}:{number}", defaults, args.chat)
-            for number, line in enumerate(lines, 1)
-            if line.strip()
-        ]
-    if not jobs and not stdin.isatty():
-        jobs += [
-            _parse_prompt_line(line.rstrip("\r\n"), f"stdin:{number}", defaults, args.chat)
-            for number, line in enumerate(stdin, 1)
-            if line.strip()
-        ]
-    if not jobs:
-        raise UsageError("no prompts: give --prompt, --prompts-file, --demo, or lines on stdin")
-    return jobs
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -157,72 +57,157 @@ async def _run_job(engine: Engine, job: PromptJob, on_text: Callable[[str], None
         on_text(delta.text)
 
 
+class _Run:
+    """The jobs of one run on one engine, each logged the moment it ends.
+
+    A prompt the engine refuses fails alone, or with `fail_fast` stops the run; an engine
+    death stops the run. Both are caught inside the job's own task: raised there, they
+    would leave the task group as an exception group and end the run with a traceback.
+    """
+
+    def __init__(self, engine: Engine, log: ResultLog, *, fail_fast: bool) -> None:
+        self.engine = engine
+        self.log = log
+        self.fail_fast = fail_fast
+        self.scope = anyio.CancelScope()
+        self.dead: EngineDeadError | None = None
+
+    async def run(self, job: PromptJob, on_text: Callable[[str], None]) -> bool:
+        """Whether the job finished."""
+        if self.scope.cancel_called:
+            # Cancellation reaches a task at its first await; one that had not started
+            # when the run stopped must not begin its request (or log its failure).
+            return False
+        try:
+            await _run_job(self.engine, job, on_text)
+        except InvalidRequestError as error:
+            self.log.failed(job.index, job.where, str(error))
+            if self.fail_fast:
+                self.scope.cancel()
+            return False
+        except EngineDeadError as error:
+            self.died(error)
+            return False
+        job.finished = True
+        self.log.succeeded(job)
+        return True
+
+    def died(self, error: EngineDeadError) -> None:
+        self.dead = error
+        self.scope.cancel()
+
+    async def scale(self, size: int, out: Console) -> None:
+        try:
+            await self.engine.scale(size)
+        except EngineDeadError as error:
+            self.died(error)
+            return
+        out.print(f"scaled to {size} data-parallel ranks")
+
+    async def rank_counts(self) -> list[int]:
+        if self.dead is not None:
+            return []
+        try:
+            return list((await self.engine.stats()).requests_per_rank)
+        except EngineDeadError as error:
+            self.died(error)
+            return []
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    summary: RunSummary
+    rank_counts: list[int]
+    dead: EngineDeadError | None
+
+
+def _streams_one(args: argparse.Namespace, jobs: Sequence[PromptJob]) -> bool:
+    """One prompt, with nowhere else to go, streams its text to the terminal."""
+    return len(jobs) == 1 and args.output is None and args.scale_at is None
+
+
 async def run_generate(
     args: argparse.Namespace,
-    console: Console,
+    config: EngineConfig,
+    out: Console,
+    err: Console,
     jobs: list[PromptJob],
-    rank_counts: list[int] | None = None,
-) -> RunSummary:
-    """Run the jobs; with data parallelism, `rank_counts` receives requests per rank."""
-    config = _engine_config(args)
-    loading = console.status("loading the engine...")
+    log: ResultLog,
+) -> RunOutcome:
+    """Run the jobs, each logged in `log` as it ends; an engine death ends the run."""
+    scale_at: tuple[int, int] | None = args.scale_at
+    loading = err.status("loading the engine...")
     loading.start()
     async with _open_engine(args, config) as engine:
         loading.stop()
+        run = _Run(engine, log, fail_fast=args.fail_fast)
         start = time.perf_counter()
-        scale_at = _check_scale_at(args)
-        if len(jobs) == 1 and args.output is None and scale_at is None:
-
-            def echo(text: str) -> None:
-                console.print(text, end="", markup=False, highlight=False)
-
-            await _run_job(engine, jobs[0], echo)
-            console.print()
-        else:
-            with Progress(
-                "[progress.description]{task.description}",
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=console,
-                transient=True,
-            ) as progress:
-                task = progress.add_task("generating", total=len(jobs))
-                done = [0]
-
-                async def scale(size: int) -> None:
-                    await engine.scale(size)
-                    console.print(f"scaled to {size} data-parallel ranks")
-
-                async def run_one(job: PromptJob) -> None:
-                    await _run_job(engine, job, lambda _text: None)
-                    progress.advance(task)
-                    done[0] += 1
-                    if scale_at is not None and done[0] == scale_at[0]:
-                        tg.start_soon(scale, scale_at[1])
-
-                async with anyio.create_task_group() as tg:
-                    for job in jobs:
-                        tg.start_soon(run_one, job)
+        with run.scope:
+            if _streams_one(args, jobs):
+                await _stream_one(run, jobs[0], out)
+            else:
+                await _run_all(run, jobs, scale_at, out, err)
         seconds = time.perf_counter() - start
-        if rank_counts is not None:
-            rank_counts.extend((await engine.stats()).requests_per_rank)
-    return RunSummary.of(
-        [job.timer for job in jobs if job.timer is not None],
-        prompt_tokens=sum(job.prompt_tokens for job in jobs),
-        output_tokens=sum(len(job.token_ids) for job in jobs),
+        rank_counts = await run.rank_counts()
+    finished = [job for job in jobs if job.finished]
+    summary = RunSummary.of(
+        [job.timer for job in finished if job.timer is not None],
+        prompt_tokens=sum(job.prompt_tokens for job in finished),
+        output_tokens=sum(len(job.token_ids) for job in finished),
         seconds=seconds,
     )
+    return RunOutcome(summary=summary, rank_counts=rank_counts, dead=run.dead)
 
 
-def _check_scale_at(args: argparse.Namespace) -> tuple[int, int] | None:
-    """`--scale-at REQS:SIZE`: after REQS requests finished, scale to SIZE ranks."""
-    scale_at: tuple[int, int] | None = args.scale_at
-    if scale_at is None:
-        return None
-    if args.dp < 2 or args.dp_master is not None:
+async def _stream_one(run: _Run, job: PromptJob, out: Console) -> None:
+    def echo(text: str) -> None:
+        out.print(text, end="", markup=False, highlight=False)
+
+    await run.run(job, echo)
+    if job.text:
+        out.print()
+
+
+async def _run_all(
+    run: _Run,
+    jobs: Sequence[PromptJob],
+    scale_at: tuple[int, int] | None,
+    out: Console,
+    err: Console,
+) -> None:
+    """Every job at once under a progress bar (on stderr, with the error lines, so they
+    do not tear it); after `scale_at[0]` finished, scale to `scale_at[1]` ranks."""
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        # Where nobody watches (a log, a pipe) a bar is noise: rich would leave a blank line.
+        disable=not err.is_interactive,
+    ) as progress:
+        task = progress.add_task("generating", total=len(jobs))
+        finished = 0
+
+        async def run_one(job: PromptJob) -> None:
+            nonlocal finished
+            if await run.run(job, lambda _text: None):
+                finished += 1
+                if scale_at is not None and finished == scale_at[0]:
+                    tg.start_soon(run.scale, scale_at[1], out)
+            progress.advance(task)
+
+        async with anyio.create_task_group() as tg:
+            for job in jobs:
+                tg.start_soon(run_one, job)
+
+
+def _check_scale_at(args: argparse.Namespace) -> None:
+    """`--scale-at REQS:SIZE` (after REQS requests finished, scale to SIZE ranks) needs
+    ranks this process started."""
+    if args.scale_at is not None and (args.dp < 2 or args.dp_master is not None):
         raise UsageError("--scale-at needs a local data-parallel engine (--dp 2 or more)")
-    return scale_at
 
 
 def _scale_at(text: str) -> tuple[int, int]:
@@ -284,27 +269,48 @@ def summary_table(summary: RunSummary, rank_counts: Sequence[int] = ()) -> Table
     return table
 
 
-def _write_results(jobs: Sequence[PromptJob], output: str) -> None:
-    with open(output, "w", encoding="utf-8") as sink:
-        for job in jobs:
-            sink.write(json.dumps(job.result(), ensure_ascii=False) + "\n")
-
-
-def cmd_generate(args: argparse.Namespace, console: Console) -> int:
-    jobs = load_jobs(args, sys.stdin)
-    rank_counts: list[int] = []
-    summary = anyio.run(run_generate, args, console, jobs, rank_counts, backend=args.backend)
+def cmd_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
+    """0 when every prompt finished, 1 when any failed or the engine died."""
+    # Every usage error before anything is written.
+    config = _engine_config(args)
+    _check_scale_at(args)
+    inputs = load_inputs(args, sys.stdin)
+    with open_output(args.output) as sink:
+        log = ResultLog(sink, err)
+        for bad in inputs.rejected:
+            log.failed(bad.index, bad.where, bad.message)
+            if args.fail_fast:
+                return 1
+        if not inputs.jobs:
+            return 1
+        outcome = anyio.run(
+            run_generate, args, config, out, err, inputs.jobs, log, backend=args.backend
+        )
+    if outcome.dead is not None:
+        print_error(err, "generate", _death_line(outcome.dead, log, len(inputs), args.output))
     if args.output is not None:
-        _write_results(jobs, args.output)
-        console.print(f"wrote {len(jobs)} results to {args.output}")
-    elif len(jobs) > 1:
-        for number, job in enumerate(jobs, 1):
-            question = job.prompt if isinstance(job.prompt, str) else job.prompt[-1]["content"]
-            console.rule(f"[bold]{number}. {question}", align="left")
-            console.print(job.text.strip(), markup=False, highlight=False)
-            console.print(f"[dim]({len(job.token_ids)} tokens, {job.finish_reason})")
-    console.print(summary_table(summary, rank_counts))
-    return 0
+        written = f"wrote {log.finished} results and {log.failures} errors to {args.output}"
+        out.print(written, highlight=False)
+    elif not _streams_one(args, inputs.jobs):
+        _print_results(out, inputs.jobs)
+    out.print(summary_table(outcome.summary, outcome.rank_counts))
+    return 1 if log.failures or outcome.dead is not None else 0
+
+
+def _death_line(error: EngineDeadError, log: ResultLog, prompts: int, output: str | None) -> str:
+    kept = f"; their results are in {output}" if output is not None else ""
+    return f"the engine died ({error}): {log.finished} of {prompts} prompts finished{kept}"
+
+
+def _print_results(out: Console, jobs: Sequence[PromptJob]) -> None:
+    """Each finished job under its input number; a failed one was reported on stderr."""
+    for job in jobs:
+        if not job.finished:
+            continue
+        question = job.prompt if isinstance(job.prompt, str) else job.prompt[-1]["content"]
+        out.rule(f"[bold]{job.index + 1}. {escape(question)}", align="left")
+        out.print(job.text.strip(), markup=False, highlight=False)
+        out.print(f"[dim]({len(job.token_ids)} tokens, {job.finish_reason})")
 
 
 def _memory(text: str) -> int | float:
@@ -326,7 +332,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source.add_argument("--demo", action="store_true", help="the built-in set of 16 chat prompts")
     source.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.add_argument("--output", help="write results as JSONL, one object per prompt, in order")
+    gen.add_argument(
+        "--output",
+        help="write each result to this JSONL file as soon as it finishes (flushed), so a run "
+        'that stops early keeps what it finished. Lines come in finishing order; "index" is '
+        "the prompt's position in the input (from 0): sort by it for input order. A failed "
+        'prompt\'s line is {"index": N, "error": "..."}',
+    )
+    gen.add_argument(
+        "--fail-fast",
+        action="store_true",
+        help="stop at the first prompt that fails, instead of recording its error and "
+        "running the others",
+    )
     engine = gen.add_argument_group("engine")
     engine.add_argument(
         "--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)"
@@ -397,7 +415,8 @@ def bound_openmp_spinning() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     bound_openmp_spinning()
     args = build_parser().parse_args(argv)
-    console = Console(stderr=False)
+    out = Console()
+    err = Console(stderr=True)
     if args.command == "generate" and args.demo:
         # The demo is greedy and answers briefly unless told otherwise.
         args.chat = True
@@ -406,9 +425,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "rank":
             return cmd_rank(args)
-        return cmd_generate(args, console)
+        return cmd_generate(args, out, err)
     except UsageError as error:
-        console.print(f"[red]wavecore {args.command}: {error}", highlight=False)
+        print_error(err, args.command, str(error))
         return 2
 
 

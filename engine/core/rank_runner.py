@@ -4,15 +4,15 @@ Theory of operation:
 
 1. The loop's recipe and the performing of every machine action live in `RankLoop`
    (the simulation runs the same code over modelled effects). This module only
-   answers what the loop waits for, and implements `RankEffects` on an `EngineCore`:
-   forwards, dummy batches, collectives, sleeps and wakes run on the `ModelThread`, in
-   order; the scheduler is touched only between them, on the event loop.
-2. Inputs are the client's messages (`engine.messages`); each becomes one loop input.
-   They arrive on one in-memory stream, from the channels of a rank process or
-   straight from an in-process front end.
-3. Everything a loop interaction sends is buffered and flushed after it, in order:
-   the iteration's token updates go out as ONE `StepOutputs` (before any reply, so a
-   call's own updates, e.g. aborts, precede its answer).
+   answers what the loop waits for; `core_effects.CoreEffects` is its `RankEffects`
+   on an `EngineCore`. Forwards, dummy batches, collectives, sleeps and wakes run on
+   the `ModelThread`, in order; the scheduler is touched only between them, on the
+   event loop.
+2. Inputs are the client's messages (`engine.messages`); each becomes one loop input
+   (`rank_inputs`). They arrive on one in-memory stream, from the channels of a rank
+   process or straight from an in-process front end.
+3. What the effects buffered is flushed before the runner blocks: the iteration's
+   token updates go out as ONE `StepOutputs`.
 4. An abort that arrives while a step runs wins over that step's output: after the
    forward and before the scheduler's update, aborts already waiting at the head of
    the inbox are applied, so an aborted request never gets another token.
@@ -32,43 +32,29 @@ import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from wavecore.engine import messages as m
+from wavecore.engine.core.core_effects import COUNTERS, CoreEffects
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.core.model_thread import ModelThread
+from wavecore.engine.core.rank_inputs import BadCall, loop_input_of
 from wavecore.engine.executors.batch import EXECUTOR_TAGS
 from wavecore.engine.interface import RankCounters, RankStats
-from wavecore.engine.request import EngineRequest
-from wavecore.engine.scheduler import RequestUpdate
 from wavecore.statemachines import (
-    AbortRequests,
     Call,
     Collective,
     JoinGroup,
-    NewRequest,
-    NotifyStartWave,
-    NotifyWaveComplete,
-    PauseMode,
     PauseRequested,
-    ProtocolError,
     RankLoop,
     RankMachine,
     Reconfigured,
-    ReportStats,
-    ResetPrefixCache,
     ResumeBarrier,
-    ResumeRequested,
     ResumeSynced,
     RunDummy,
     RunStep,
     Sleep,
-    SleepRequested,
-    StartWave,
     StepDone,
-    StopRequests,
-    SwitchRequested,
     SyncDone,
     SyncDP,
     WaitForInput,
-    WakeUpRequested,
 )
 
 
@@ -101,35 +87,6 @@ class GroupJoiner(Protocol):
     ) -> tuple[DPGroupHandle | None, tuple[bool, int, int]]: ...
 
 
-class SoloGroup:
-    """The DP group of one rank: every collective returns this rank's own values."""
-
-    def sync(
-        self, *, has_unfinished: bool, pending_pause: bool, wave: int, step_counter: int
-    ) -> SyncDone:
-        return SyncDone(
-            any_unfinished=has_unfinished,
-            pausing_ranks=int(pending_pause),
-            wave_span=(wave, wave),
-            step_counter_span=(step_counter, step_counter),
-        )
-
-    def barrier(self, *, has_unfinished: bool) -> bool:
-        return has_unfinished
-
-
-_COUNTERS = (
-    "real_steps",
-    "dummy_steps",
-    "syncs",
-    "waves_started",
-    "waves_completed",
-    "requests_added",
-    "requests_held",
-    "last_pause_forwards",
-)
-
-
 class RankRunner:
     """Drives one `RankLoop` over an `EngineCore`; see the module docstring."""
 
@@ -154,10 +111,10 @@ class RankRunner:
         self._outputs = outputs
         self._coordinator = coordinator
         self._on_invalid = on_invalid
-        self._effects = _CoreEffects(self)
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self._effects = CoreEffects(core, self.rank, self.counts, self.stats)
         self._backlog: deque[Any] = deque()
         self._last_load: tuple[int, int, float] | None = None
-        self.counts = dict.fromkeys(_COUNTERS, 0)
         # A switch's group prefix, kept from its message until the collective runs.
         self._switch_prefix = ""
 
@@ -316,33 +273,18 @@ class RankRunner:
             self.loop.deliver(loop_input, self._effects)
 
     def _as_loop_input(self, item: Any) -> object | None:
-        if isinstance(item, m.AddRequest):
-            request = EngineRequest(
-                request_id=item.request_id,
-                prompt_token_ids=item.prompt_token_ids,
-                params=item.params,
-            )
-            return NewRequest(request_id=item.request_id, wave=item.wave, payload=request)
-        if isinstance(item, m.AbortRequests):
-            return AbortRequests(request_ids=item.request_ids)
-        if isinstance(item, m.StopRequests):
-            return StopRequests(request_ids=item.request_ids)
-        if isinstance(item, m.StartDPWave):
-            return StartWave(wave=item.wave, exclude_rank=item.exclude_rank)
-        if isinstance(item, m.SwitchGroup):
+        try:
+            loop_input = loop_input_of(item)
+        except BadCall as error:
+            self._effects.reply(error.call_id, error=str(error))
+            return None
+        if loop_input is None:
+            self._on_invalid(item)
+        elif isinstance(item, m.SwitchGroup):
             self._switch_prefix = item.group_prefix
-            return Call(call_id=item.call_id, request=SwitchRequested(dp_size=item.dp_size))
-        if isinstance(item, m.UtilityCall):
-            try:
-                request = _call_request(item)
-            except (ValueError, KeyError) as error:
-                self._effects.reply(item.call_id, error=f"{type(error).__name__}: {error}")
-                return None
-            if isinstance(request, PauseRequested):
-                self._effects.pause_started(item.call_id)
-            return Call(call_id=item.call_id, request=request)
-        self._on_invalid(item)
-        return None
+        elif isinstance(loop_input, Call) and isinstance(loop_input.request, PauseRequested):
+            self._effects.pause_started(loop_input.call_id)
+        return loop_input
 
     # -- outputs -----------------------------------------------------------------------
 
@@ -378,144 +320,3 @@ class RankRunner:
         )
         core = self.core.stats(paused=machine.pause_mode, asleep=machine.asleep)
         return RankStats(rank=self.rank, core=core, counters=counters)
-
-    def forwards(self) -> int:
-        return self.counts["real_steps"] + self.counts["dummy_steps"]
-
-
-def _call_request(call: m.UtilityCall) -> object:
-    """The loop's request for a client's utility call; ValueError for bad arguments."""
-    method = call.method
-    if method == "pause":
-        return PauseRequested(mode=PauseMode(call.pause_mode))
-    if method == "sleep":
-        mode = PauseMode(call.pause_mode or PauseMode.ABORT.value)
-        return SleepRequested(level=call.sleep_level or 0, mode=mode)
-    if method == "wake_up":
-        tags = None if call.wake_tags is None else frozenset(call.wake_tags)
-        return WakeUpRequested(tags=tags)
-    requests = {
-        "resume": ResumeRequested,
-        "reset_prefix_cache": ResetPrefixCache,
-        "stats": ReportStats,
-    }
-    return requests[method]()
-
-
-class _CoreEffects:
-    """`RankEffects` on an `EngineCore`: the scheduler at once, messages buffered."""
-
-    def __init__(self, runner: RankRunner) -> None:
-        self._runner = runner
-        self._core = runner.core
-        self._rank = runner.rank
-        self._outputs: list[object] = []
-        self._notices: list[object] = []
-        self._pause_started_at: int | None = None
-        self._pause_calls: set[int] = set()
-        # The current iteration's token updates, in StepOutputs' columns.
-        self._ids: list[str] = []
-        self._counts: list[int] = []
-        self._tokens: list[int] = []
-        self._finished: dict[str, str] = {}
-        self._logprobs: list[m.RequestLogprobs] = []
-
-    # -- RankEffects --------------------------------------------------------------------
-
-    def add_request(self, request_id: str, payload: object) -> None:
-        self._core.add_request(payload)  # type: ignore[arg-type]
-        self._runner.counts["requests_added"] += 1
-
-    def abort_requests(self, request_ids: tuple[str, ...]) -> None:
-        self.emit(self._core.abort_requests(request_ids))
-
-    def stop_requests(self, request_ids: tuple[str, ...]) -> None:
-        for request_id in request_ids:
-            try:
-                self._core.finish_stopped(request_id)
-            except ProtocolError:
-                # Preempted since its last token: it is not running, so abort it instead.
-                self._core.abort_requests([request_id])
-
-    def pause_scheduler(self, mode: PauseMode) -> None:
-        self.emit(self._core.pause_scheduler(mode))
-
-    def resume_scheduler(self) -> None:
-        self._core.resume_scheduler()
-
-    def reset_prefix_cache(self) -> None:
-        self._core.reset_prefix_cache()
-
-    def notify_coordinator(self, message: NotifyStartWave | NotifyWaveComplete) -> None:
-        if isinstance(message, NotifyStartWave):
-            self._runner.counts["waves_started"] += 1
-            self._notices.append(m.WaveStarted(rank=self._rank, wave=message.wave))
-        else:
-            self._runner.counts["waves_completed"] += 1
-            self._notices.append(m.WaveComplete(wave=message.wave))
-
-    def announce_held(self, request_ids: tuple[str, ...], reason: str) -> None:
-        self._runner.counts["requests_held"] += 1
-        self._outputs.append(
-            m.RequestsHeld(rank=self._rank, request_ids=request_ids, reason=reason)
-        )
-
-    def report(self) -> object:
-        return self._runner.stats()
-
-    def reply(self, call_id: int, *, error: str | None = None, result: object = None) -> None:
-        if call_id in self._pause_calls:
-            self._pause_calls.discard(call_id)
-            if not self._pause_calls and self._pause_started_at is not None:
-                forwards = self._runner.forwards() - self._pause_started_at
-                self._runner.counts["last_pause_forwards"] = forwards
-                self._pause_started_at = None
-        self._close_step_outputs()  # the call's own updates go first
-        stats = result if isinstance(result, RankStats) else None
-        self._outputs.append(
-            m.UtilityResult(rank=self._rank, call_id=call_id, error=error, stats=stats)
-        )
-
-    # -- bookkeeping --------------------------------------------------------------------
-
-    def pause_started(self, call_id: int) -> None:
-        self._pause_calls.add(call_id)
-        if self._pause_started_at is None:
-            self._pause_started_at = self._runner.forwards()
-
-    def emit(self, updates: list[RequestUpdate]) -> None:
-        for update in updates:
-            request_id = update.request_id
-            self._ids.append(request_id)
-            self._counts.append(len(update.new_token_ids))
-            self._tokens.extend(update.new_token_ids)
-            if update.finish_reason is not None:
-                self._finished[request_id] = str(update.finish_reason)
-            if update.sampled and update.sampled[0].logprob is not None:
-                entries = tuple((s.token_id, s.logprob, s.top_logprobs) for s in update.sampled)
-                self._logprobs.append(m.RequestLogprobs(request_id=request_id, entries=entries))
-
-    def _close_step_outputs(self) -> None:
-        if not self._ids:
-            return
-        self._outputs.append(
-            m.StepOutputs(
-                rank=self._rank,
-                request_ids=tuple(self._ids),
-                token_counts=tuple(self._counts),
-                token_ids=tuple(self._tokens),
-                finished=self._finished,
-                logprobs=tuple(self._logprobs),
-            )
-        )
-        self._ids, self._counts, self._tokens = [], [], []
-        self._finished, self._logprobs = {}, []
-
-    def take_outputs(self) -> list[object]:
-        self._close_step_outputs()
-        outputs, self._outputs = self._outputs, []
-        return outputs
-
-    def take_notices(self) -> list[object]:
-        notices, self._notices = self._notices, []
-        return notices
