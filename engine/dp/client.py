@@ -7,7 +7,8 @@ Theory of operation:
    a rank go on its nng PUSH channel, every rank's messages come back on one PULL
    channel, and the coordinator's publications on a SUB channel.
 2. A process that exits (the launcher's watcher sees it at once) is reported to the
-   front end as the engine's death, naming the process and its exit code.
+   front end as the engine's death, naming the process and how it ended: its exit
+   code, or the signal that killed it ("rank 1 died (killed by SIGKILL)").
 3. `scale` hands the front end to the `Scaler`, which performs `ScalingMachine`'s
    script (`scaler` explains how); the launcher's handshake socket stays open for the
    ranks it adds.
@@ -25,6 +26,7 @@ import anyio.to_thread
 from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
+from wavecore.engine.dp.exit_status import describe_exit
 from wavecore.engine.dp.launcher import DPWiring, open_dp_processes
 from wavecore.engine.dp.rank_process import BuildCore
 from wavecore.engine.dp.scaler import Scaler
@@ -71,7 +73,15 @@ class DPClient:
 
     def process_exited(self, name: str, exitcode: int | None) -> None:
         if not self._closed and self._on_death is not None:
-            self._on_death(EngineDeadError(f"{name} died (exit code {exitcode})"))
+            self._on_death(EngineDeadError(f"{name} died ({describe_exit(exitcode)})"))
+
+    def root_cause(self, error: EngineDeadError) -> EngineDeadError:
+        for name, process in list(self.wiring.processes.items()):
+            if "retired" not in name and process.pid is not None and not process.is_alive():
+                cause = EngineDeadError(f"{name} died ({describe_exit(process.exitcode)}); {error}")
+                cause.__cause__ = error
+                return cause
+        return error
 
     async def send(self, rank: int, message: Any) -> None:
         await self.wiring.to_ranks[rank].send(message)

@@ -10,11 +10,18 @@ Theory of operation:
    at once when `immediate`, otherwise at most every `STATE_INTERVAL_S` (the latest
    state wins). The process makes no protocol decision of its own.
 3. It exits when every sender (the client and each rank) has closed its stream.
+4. It ends soon after the process that started it, however that died
+   (`parent_watch`). With the ipc transport it is the one that removes the sockets'
+   directory then: a SIGKILLed client runs no `finally`, and the coordinator, the one
+   child that lives as long as the engine, is left to do it. SIGTERM (the kernel's
+   signal for a dead parent, or the launcher's when the engine ends) removes it too.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +31,7 @@ import anyio
 from wavecore.channels import MessageSender, open_pub, open_pull, open_req
 from wavecore.engine import messages as m
 from wavecore.engine.dp.invalid_frames import InvalidFrameLog
+from wavecore.engine.dp.parent_watch import exit_with_parent
 from wavecore.statemachines.coordinator import (
     BroadcastStartWave,
     CoordinatorMachine,
@@ -39,8 +47,16 @@ from wavecore.statemachines.errors import ProtocolError
 STATE_INTERVAL_S = 0.1
 
 
-def coordinator_main(handshake_address: str, dp_size: int, listen_base: str) -> None:
-    """The spawned process's entry point; `listen_base` is an ipc prefix or tcp host."""
+def coordinator_main(
+    handshake_address: str, dp_size: int, listen_base: str, ipc_directory: str | None
+) -> None:
+    """The spawned process's entry point; `listen_base` is an ipc prefix or tcp host, and
+    `ipc_directory` the directory of the ipc sockets (None with tcp)."""
+    exit_with_parent(
+        cleanup=functools.partial(shutil.rmtree, ipc_directory, ignore_errors=True)
+        if ipc_directory is not None
+        else None
+    )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the client's to handle
     anyio.run(_run_coordinator, handshake_address, dp_size, listen_base)
 

@@ -15,17 +15,22 @@ Theory of operation:
    bounded by `startup_timeout`, and the error names the ranks that did not come up.
 3. A watcher thread waits on every process's sentinel; an exit is reported to the
    owner (`on_exit`) within moments, during startup and after, for the processes
-   started here and for those a scale up adds later (`ProcessWatcher.watch`).
+   started here and for those a scale up adds later (`ProcessWatcher.watch`), with its
+   exit status collected (`exit_status`: a signal is named, "killed by SIGKILL").
 4. On exit the client's senders close first (ranks and coordinator see end of
    stream and leave), every process gets a short grace period, then SIGTERM, then
    SIGKILL, and every one is joined: nothing outlives the block.
+5. When this process dies without leaving the block (SIGKILL runs no `finally`), its
+   children notice and end by themselves (`parent_watch`), and the coordinator removes
+   the ipc directory. The processes are spawned from the event-loop thread, which lives
+   as long as the engine: the kernel's parent-death signal fires when the thread that
+   spawned a process ends, so it must not be a short-lived worker thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import multiprocessing.connection
 import shutil
 import socket
 import tempfile
@@ -53,6 +58,7 @@ from wavecore.channels import (
 from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.dp.coordinator_process import coordinator_main
+from wavecore.engine.dp.exit_status import describe_exit, wait_for_exits
 from wavecore.engine.dp.invalid_frames import InvalidFrameLog
 from wavecore.engine.dp.rank_process import BuildCore, describe_config, rank_main
 from wavecore.engine.errors import EngineError
@@ -189,7 +195,12 @@ async def open_dp_processes(
             context = multiprocessing.get_context("spawn")
             processes[COORDINATOR] = context.Process(
                 target=coordinator_main,
-                args=(coordinator_rep.address, config.dp_size, addresses.base),
+                args=(
+                    coordinator_rep.address,
+                    config.dp_size,
+                    addresses.base,
+                    addresses.directory,
+                ),
                 name="wavecore-dp-coordinator",
                 daemon=True,
             )
@@ -336,7 +347,7 @@ async def _startup(
         watcher.on_startup_exit = None
     if watcher.exits:
         name, code = watcher.exits[0]
-        raise DPStartupError(f"{name} exited with code {code} during startup")
+        raise DPStartupError(f"{name} ended during startup ({describe_exit(code)})")
     # Opened here, outside the startup's cancel scopes, since they outlive them.
     wiring.to_coordinator = await stack.enter_async_context(
         open_push(dial=wiring.addresses["coordinator_input"], linger=0.5)
@@ -396,23 +407,19 @@ class ProcessWatcher:
             self._watched[id(process)] = (name, process)
         task_status.started()
         while not self._stopping:
-            handles = {process.sentinel: key for key, (_, process) in self._watched.items()}
-            ready = await anyio.to_thread.run_sync(
-                multiprocessing.connection.wait,
-                [*handles, self._wake_reader],
+            ended = await anyio.to_thread.run_sync(
+                wait_for_exits,
+                [process for _, process in self._watched.values()],
+                self._wake_reader,
                 abandon_on_cancel=True,
             )
-            if self._wake_reader in ready:
-                with contextlib.suppress(BlockingIOError):
-                    self._wake_reader.recv(4096)
-            for handle in ready:
-                key = handles.get(handle)  # type: ignore[call-overload]
-                if key is None or key not in self._watched:
-                    continue  # the wake-up, or forgotten while the thread waited
-                name, process = self._watched.pop(key)
-                process.join(0)
-                if self.closing:
-                    continue
+            with contextlib.suppress(BlockingIOError):
+                self._wake_reader.recv(4096)
+            for process in ended:
+                watched = self._watched.pop(id(process), None)
+                if watched is None or self.closing:
+                    continue  # forgotten while the thread waited, or ending on purpose
+                name = watched[0]
                 self.exits.append((name, process.exitcode))
                 self.clean = False
                 if self.on_startup_exit is not None:

@@ -15,6 +15,8 @@ Theory of operation:
    up is built `joining`; its machine freezes its scheduler before any input.
 4. If anything in the loop raises, the rank reports `RankFailed` (naming itself) and
    waits for the client to close its input; the client fails every request.
+5. A spawned rank ends soon after the process that started it, however that died
+   (`parent_watch`); it creates nothing that outlives it, so it has nothing to remove.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.core.model_thread import ModelThread
 from wavecore.engine.core.rank_runner import DPGroupHandle, GroupJoiner, RankRunner, Shutdown
 from wavecore.engine.dp.invalid_frames import InvalidFrameLog
+from wavecore.engine.dp.parent_watch import exit_with_parent
 from wavecore.statemachines import RankMachine
 
 BuildCore = Callable[[EngineConfig], EngineCore]
@@ -64,7 +67,9 @@ def describe_config(config: EngineConfig) -> dict[str, str]:
 def rank_main(
     handshake_address: str, rank: int, config: EngineConfig, build_core: BuildCore
 ) -> None:
-    """The spawned process's entry point."""
+    """The spawned process's entry point (also `wavecore rank`'s, which has no parent
+    process to watch)."""
+    exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the client's to handle
     anyio.run(_run_rank, handshake_address, rank, config, build_core)
 

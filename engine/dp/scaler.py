@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing
-import multiprocessing.connection
 from typing import TYPE_CHECKING
 
 import anyio
@@ -35,6 +34,7 @@ import anyio.to_thread
 from wavecore.channels import MessageSender, open_push
 from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
+from wavecore.engine.dp.exit_status import describe_exit, wait_for_exits
 from wavecore.engine.dp.launcher import (
     SHUTDOWN_GRACE_S,
     ConfigMismatchError,
@@ -291,14 +291,21 @@ class Scaler:
                 await host.request_finished()
 
     async def _watch_startup(self, ranks: tuple[int, ...], scope: anyio.CancelScope) -> None:
-        """A new rank that dies during its startup ends the wait at once."""
-        processes = [self._wiring.processes[process_name(rank)] for rank in ranks]
-        sentinels = [process.sentinel for process in processes]
-        await anyio.to_thread.run_sync(
-            multiprocessing.connection.wait, sentinels, abandon_on_cancel=True
+        """A new rank that dies during its startup ends the wait at once, naming it and
+        how it ended ("rank 2 (killed by SIGKILL)")."""
+
+        processes = {
+            process_name(rank): self._wiring.processes[process_name(rank)] for rank in ranks
+        }
+        # Joined before they are named: a sentinel is ready a moment before its status is.
+        ended = await anyio.to_thread.run_sync(
+            wait_for_exits, processes.values(), abandon_on_cancel=True
         )
-        dead = [p for p in processes if p.exitcode is not None]
-        names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
+        names = ", ".join(
+            f"{name} ({describe_exit(process.exitcode)})"
+            for name, process in processes.items()
+            if process in ended
+        )
         raise DPStartupError(f"new rank process exited during startup: {names}")
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:

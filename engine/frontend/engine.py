@@ -474,7 +474,7 @@ class FrontEnd:
                 self._held[request_id] = f"rank {message.rank} is {message.reason}"
 
     def _on_rank_failed(self, message: m.RankFailed) -> None:
-        self.die(EngineDeadError(message.error))
+        self.die(self._core.root_cause(EngineDeadError(message.error)))
 
     # -- bookkeeping -------------------------------------------------------------------
 
