@@ -243,9 +243,6 @@ async def open_dp_processes(
                     coordinator_rep,
                     rank_rep,
                     to_ranks,
-                    outputs.address,
-                    store,
-                    host,
                     watcher,
                 )
                 started = True
@@ -281,9 +278,6 @@ async def _startup(
     coordinator_rep: MessageStream,
     rank_rep: MessageStream,
     to_ranks: list[MessageSender],
-    output_address: str,
-    store: Any,
-    host: str,
     watcher: ProcessWatcher,
 ) -> None:
     expected = describe_config(config)
@@ -301,34 +295,23 @@ async def _startup(
             message = await rank_rep.receive()
             if isinstance(message, m.RankHello):
                 hellos.add(message.rank)
-                assignment = m.RankAssignment(
-                    rank=message.rank,
+            answered = await answer_rank(
+                rank_rep,
+                message,
+                expected,
+                lambda rank: rank_assignment(
+                    config,
+                    wiring,
+                    rank=rank,
                     dp_size=config.dp_size,
-                    lockstep=config.dp_mode == "lockstep",
-                    sync_interval=config.sync_interval,
-                    input_address=to_ranks[message.rank].address,
-                    output_address=output_address,
-                    coordinator_input_address=hello.input_address,
-                    coordinator_publish_address=hello.publish_address,
-                    store_host=host,
-                    store_port=0 if store is None else store.port,
+                    input_address=to_ranks[rank].address,
                     group_prefix=group_prefix,
-                    collective_timeout_s=float(config.startup_timeout),
-                )
-                await rank_rep.send(
-                    m.HandshakeReply(accepted=True, reason="", assignment=assignment)
-                )
-            elif isinstance(message, m.RankStartupFailed):
-                await rank_rep.send(m.HandshakeReply(accepted=False, reason="startup failed"))
-                raise DPStartupError(f"rank {message.rank} failed to start: {message.error}")
-            else:
-                problem = config_difference(expected, message)
-                await rank_rep.send(m.HandshakeReply(accepted=not problem, reason=problem))
-                if problem:
-                    raise ConfigMismatchError(problem)
-                ready.add(message.rank)
-                if message.rank == 0:
-                    wiring.max_model_len = message.max_model_len
+                ),
+            )
+            if answered is not None:
+                ready.add(answered.rank)
+                if answered.rank == 0:
+                    wiring.max_model_len = answered.max_model_len
 
     try:
         with anyio.fail_after(config.startup_timeout):
@@ -361,6 +344,59 @@ async def _startup(
     )
     with anyio.fail_after(config.startup_timeout):
         await wiring.coordinator_state.wait_connected()
+
+
+def rank_assignment(
+    config: EngineConfig,
+    wiring: DPWiring,
+    *,
+    rank: int,
+    dp_size: int,
+    input_address: str,
+    group_prefix: str,
+    joining: bool = False,
+) -> m.RankAssignment:
+    """Where a rank connects and which group it joins (the coordinator's addresses and
+    the store must already be in `wiring`)."""
+    return m.RankAssignment(
+        rank=rank,
+        dp_size=dp_size,
+        lockstep=config.dp_mode == "lockstep",
+        sync_interval=config.sync_interval,
+        input_address=input_address,
+        output_address=wiring.addresses["outputs"],
+        coordinator_input_address=wiring.addresses["coordinator_input"],
+        coordinator_publish_address=wiring.addresses["coordinator_publish"],
+        store_host=wiring.host,
+        store_port=0 if wiring.store is None else wiring.store.port,
+        group_prefix=group_prefix,
+        collective_timeout_s=float(config.startup_timeout),
+        joining=joining,
+    )
+
+
+async def answer_rank(
+    rep: MessageStream,
+    message: Any,
+    expected: dict[str, str],
+    assign: Callable[[int], m.RankAssignment],
+) -> m.RankReady | None:
+    """Answer one message of a rank's startup handshake: its hello with its assignment,
+    its report with the verdict on its configuration. The report of a rank now ready is
+    returned; a failed or mismatched rank raises (after it was told)."""
+    if isinstance(message, m.RankHello):
+        assignment = assign(message.rank)
+        await rep.send(m.HandshakeReply(accepted=True, reason="", assignment=assignment))
+        return None
+    if isinstance(message, m.RankStartupFailed):
+        await rep.send(m.HandshakeReply(accepted=False, reason="startup failed"))
+        raise DPStartupError(f"rank {message.rank} failed to start: {message.error}")
+    problem = config_difference(expected, message)
+    await rep.send(m.HandshakeReply(accepted=not problem, reason=problem))
+    if problem:
+        raise ConfigMismatchError(problem)
+    ready: m.RankReady = message
+    return ready
 
 
 def config_difference(expected: dict[str, str], ready: m.RankReady) -> str:

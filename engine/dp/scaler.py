@@ -37,11 +37,11 @@ from wavecore.engine.config import EngineConfig
 from wavecore.engine.dp.exit_status import describe_exit, wait_for_exits
 from wavecore.engine.dp.launcher import (
     SHUTDOWN_GRACE_S,
-    ConfigMismatchError,
     DPStartupError,
     DPWiring,
-    config_difference,
+    answer_rank,
     process_name,
+    rank_assignment,
     reap,
 )
 from wavecore.engine.dp.rank_process import describe_config, rank_main
@@ -236,38 +236,22 @@ class Scaler:
                 tg.start_soon(self._watch_startup, ranks, tg.cancel_scope)
                 while len(ready) < len(ranks):
                     message = await handshake.receive()
-                    if isinstance(message, m.RankHello):
-                        assignment = m.RankAssignment(
-                            rank=message.rank,
+                    answered = await answer_rank(
+                        handshake,
+                        message,
+                        expected,
+                        lambda rank: rank_assignment(
+                            config,
+                            wiring,
+                            rank=rank,
                             dp_size=dp_size,
-                            lockstep=config.dp_mode == "lockstep",
-                            sync_interval=config.sync_interval,
-                            input_address=self._starting[message.rank - first].address,
-                            output_address=wiring.addresses["outputs"],
-                            coordinator_input_address=wiring.addresses["coordinator_input"],
-                            coordinator_publish_address=wiring.addresses["coordinator_publish"],
-                            store_host=wiring.host,
-                            store_port=0 if wiring.store is None else wiring.store.port,
+                            input_address=self._starting[rank - first].address,
                             group_prefix=self._prefix(),
-                            collective_timeout_s=float(config.startup_timeout),
                             joining=True,
-                        )
-                        await handshake.send(
-                            m.HandshakeReply(accepted=True, reason="", assignment=assignment)
-                        )
-                    elif isinstance(message, m.RankStartupFailed):
-                        await handshake.send(
-                            m.HandshakeReply(accepted=False, reason="startup failed")
-                        )
-                        raise DPStartupError(
-                            f"rank {message.rank} failed to start: {message.error}"
-                        )
-                    else:
-                        problem = config_difference(expected, message)
-                        await handshake.send(m.HandshakeReply(accepted=not problem, reason=problem))
-                        if problem:
-                            raise ConfigMismatchError(problem)
-                        ready.add(message.rank)
+                        ),
+                    )
+                    if answered is not None:
+                        ready.add(answered.rank)
                 tg.cancel_scope.cancel()
         wiring.to_ranks.extend(self._starting)
         self._starting = []
