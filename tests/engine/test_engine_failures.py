@@ -2,57 +2,17 @@
 
 from __future__ import annotations
 
-import threading
-
 import anyio
 import anyio.to_thread
 import pytest
+from engine_helpers import ControlledExecutor, core_with
 
 from wavecore.engine.api import open_engine_core
-from wavecore.engine.config import EngineConfig
-from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.errors import EngineDeadError
-from wavecore.engine.executors.batch import ModelBatch, ModelOutput
-from wavecore.engine.executors.null_executor import NullExecutor
-from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
 from wavecore.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.anyio
 HANG_GUARD = 30
-
-
-class ControlledExecutor(NullExecutor):
-    """A null executor whose steps can be held at a gate, or made to fail."""
-
-    def __init__(self) -> None:
-        tokenizer = ByteTokenizer()
-        super().__init__(
-            num_kv_blocks=256,
-            max_model_len=1024,
-            vocab_size=tokenizer.vocab_size,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        self.entered = threading.Event()
-        self.gate = threading.Event()
-        self.gate.set()
-        self.fail_with: Exception | None = None
-
-    def execute(self, batch: ModelBatch) -> ModelOutput:
-        self.entered.set()
-        self.gate.wait()
-        if self.fail_with is not None:
-            raise self.fail_with
-        return super().execute(batch)
-
-
-def core_with(executor: ControlledExecutor) -> EngineCore:
-    tokenizer = ByteTokenizer()
-    return EngineCore(
-        executor=executor,
-        tokenizer=tokenizer,
-        config=EngineConfig(executor="null"),
-        eos_token_id=tokenizer.eos_token_id,
-    )
 
 
 async def test_a_failing_step_fails_every_request_and_later_calls() -> None:

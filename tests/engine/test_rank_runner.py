@@ -5,27 +5,25 @@ machine's step counter, and an abort that arrives while a step runs wins over it
 from __future__ import annotations
 
 import math
-import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import pytest
+from anyio.streams.memory import MemoryObjectSendStream
+from engine_helpers import ControlledExecutor, core_with
 
 from wavecore.engine import messages as m
-from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.core.model_thread import ModelThread
 from wavecore.engine.core.rank_runner import RankRunner, Shutdown
-from wavecore.engine.executors.batch import ModelBatch, ModelOutput
-from wavecore.engine.executors.null_executor import NullExecutor
-from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.statemachines import RankMachine, SyncDone
 
 pytestmark = pytest.mark.anyio
 HANG_GUARD = 30
-TOKENIZER = ByteTokenizer()
 
 
 class OneRankGroup:
@@ -43,26 +41,6 @@ class OneRankGroup:
 
     def barrier(self, *, has_unfinished: bool) -> bool:
         return has_unfinished
-
-
-class GatedExecutor(NullExecutor):
-    """A null executor whose steps can be held at a gate."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            num_kv_blocks=256,
-            max_model_len=1024,
-            vocab_size=TOKENIZER.vocab_size,
-            eos_token_id=TOKENIZER.eos_token_id,
-        )
-        self.entered = threading.Event()
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def execute(self, batch: ModelBatch) -> ModelOutput:
-        self.entered.set()
-        self.gate.wait()
-        return super().execute(batch)
 
 
 class Outputs:
@@ -94,6 +72,29 @@ class Outputs:
         return tokens, reason
 
 
+@asynccontextmanager
+async def rank_serving(
+    core: EngineCore, machine: RankMachine
+) -> AsyncIterator[tuple[MemoryObjectSendStream[Any], Outputs]]:
+    """`core` served by a rank runner for the block: its input stream and its outputs."""
+    outputs = Outputs()
+    to_rank, inbox = anyio.create_memory_object_stream[Any](math.inf)
+    with ModelThread() as thread:
+        runner = RankRunner(
+            core=core,
+            machine=machine,
+            model_thread=thread,
+            group=OneRankGroup(),
+            outputs=outputs,
+            coordinator=None,
+            on_invalid=pytest.fail,
+        )
+        async with to_rank, inbox, anyio.create_task_group() as tg:
+            tg.start_soon(runner.run, inbox)
+            yield to_rank, outputs
+            await to_rank.send(Shutdown())
+
+
 def add(request_id: str, prompt: str, max_tokens: int) -> m.AddRequest:
     return m.AddRequest(
         request_id=request_id,
@@ -105,12 +106,7 @@ def add(request_id: str, prompt: str, max_tokens: int) -> m.AddRequest:
 
 async def test_lockstep_prefills_are_admitted_on_the_machines_cadence() -> None:
     interval = 3
-    core = EngineCore(
-        executor=GatedExecutor(),
-        tokenizer=TOKENIZER,
-        config=EngineConfig(executor="null", prefill_interval=interval),
-        eos_token_id=TOKENIZER.eos_token_id,
-    )
+    core = core_with(ControlledExecutor(), prefill_interval=interval)
     machine = RankMachine(0, 1, sync_interval=4, lockstep=True)
     admissions: list[tuple[int, int]] = []  # (machine step counter, requests admitted)
     schedule = core.schedule
@@ -123,20 +119,8 @@ async def test_lockstep_prefills_are_admitted_on_the_machines_cadence() -> None:
         return step
 
     core.schedule = recording_schedule  # type: ignore[method-assign]
-    outputs = Outputs()
-    to_rank, inbox = anyio.create_memory_object_stream[Any](math.inf)
-    with anyio.fail_after(HANG_GUARD), ModelThread() as thread:
-        runner = RankRunner(
-            core=core,
-            machine=machine,
-            model_thread=thread,
-            group=OneRankGroup(),
-            outputs=outputs,
-            coordinator=None,
-            on_invalid=pytest.fail,
-        )
-        async with to_rank, inbox, anyio.create_task_group() as tg:
-            tg.start_soon(runner.run, inbox)
+    with anyio.fail_after(HANG_GUARD):
+        async with rank_serving(core, machine) as (to_rank, outputs):
             await to_rank.send(add("first", "a", 20))
             while len(outputs.tokens("first")[0]) < 5:
                 await outputs.arrived.wait()
@@ -144,34 +128,16 @@ async def test_lockstep_prefills_are_admitted_on_the_machines_cadence() -> None:
             await to_rank.send(add("late", "b", 4))
             while outputs.tokens("late")[1] is None:
                 await outputs.arrived.wait()
-            await to_rank.send(Shutdown())
     admitted = [counter for counter, count in admissions if count]
     assert admitted == [0, admitted[1]] and admitted[1] > 5
     assert all(counter % interval == 0 for counter in admitted)
 
 
 async def test_an_abort_during_a_lockstep_ranks_step_wins_over_its_output() -> None:
-    executor = GatedExecutor()
-    core = EngineCore(
-        executor=executor,
-        tokenizer=TOKENIZER,
-        config=EngineConfig(executor="null"),
-        eos_token_id=TOKENIZER.eos_token_id,
-    )
-    outputs = Outputs()
-    to_rank, inbox = anyio.create_memory_object_stream[Any](math.inf)
-    with anyio.fail_after(HANG_GUARD), ModelThread() as thread:
-        runner = RankRunner(
-            core=core,
-            machine=RankMachine(0, 1, sync_interval=4, lockstep=True),
-            model_thread=thread,
-            group=OneRankGroup(),
-            outputs=outputs,
-            coordinator=None,
-            on_invalid=pytest.fail,
-        )
-        async with to_rank, inbox, anyio.create_task_group() as tg:
-            tg.start_soon(runner.run, inbox)
+    executor = ControlledExecutor()
+    machine = RankMachine(0, 1, sync_interval=4, lockstep=True)
+    with anyio.fail_after(HANG_GUARD):
+        async with rank_serving(core_with(executor), machine) as (to_rank, outputs):
             await to_rank.send(add("r", "abc", 100))
             while not outputs.tokens("r")[0]:
                 await outputs.arrived.wait()
@@ -185,7 +151,6 @@ async def test_an_abort_during_a_lockstep_ranks_step_wins_over_its_output() -> N
             executor.gate.set()
             while outputs.tokens("r")[1] is None:
                 await outputs.arrived.wait()
-            await to_rank.send(Shutdown())
     tokens, reason = outputs.tokens("r")
     assert reason == "abort"
     assert len(tokens) == steps_before
