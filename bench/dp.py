@@ -9,11 +9,14 @@ requests per second, and streamed tokens per second as the caller receives them.
 Peers, measured in the same run: lockstep against independent at the same dp_size
 (target >= 0.9x), and each dp_size against dp_size 1 of the same mode.
 
-Pause latency: with long requests running on every rank, the time from `pause()` to
-its return, and the most forwards (real or dummy) any rank ran from receiving the
-pause to completing it (the rank counts them). Target: 2 steps. In lockstep mode a
-pause that arrives mid-wave waits for the wave's next sync, so up to `sync_interval`
-forwards: ranks cannot sync early on their own without drifting out of lockstep.
+Pause latency, per mode: the time from `pause()` to its return, and the forwards (real
+or dummy) the ranks ran between receiving the pause and completing it (each rank counts
+its own). Lockstep ranks share one step counter, so the rank the pause reached last
+counted the fewest: that minimum is the count after the pause reached every rank
+(target: 2), the maximum the count after it reached the first. In lockstep mode every
+rank starts a non-blocking all-reduce of its pause vote at each step and reads it at
+the next, so a pause that reached every rank is agreed one forward later and holds
+after at most two.
 
 Usage: python bench/dp.py [--quick] [--requests N] [--max-tokens N] [--output PATH]
 """
@@ -22,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import anyio
+from machine import describe  # bench/machine.py, beside this script
 
 from wavecore.engine.api import Engine, open_dp_engine
 from wavecore.engine.config import EngineConfig
@@ -39,7 +41,7 @@ from wavecore.statemachines.rank import PauseMode
 RESULTS = Path(__file__).resolve().parent / "results" / "dp.json"
 TARGET_TOKENS_PER_S_DP2 = 50_000
 TARGET_LOCKSTEP_RATIO = 0.9
-TARGET_PAUSE_STEPS = 2
+TARGET_PAUSE_FORWARDS = 2
 
 
 def _config(dp_size: int, mode: str, max_num_seqs: int) -> EngineConfig:
@@ -76,25 +78,38 @@ async def _throughput(engine: Engine, requests: int, max_tokens: int) -> dict[st
     }
 
 
-async def _pause_latency(engine: Engine, repeats: int) -> dict[str, float]:
+async def _pause_latency(engine: Engine, mode: PauseMode, repeats: int) -> dict[str, float]:
+    """Median milliseconds and most forwards any rank ran from a pause's arrival to its
+    reply. KEEP and ABORT pause with a long request running on every rank; WAIT pauses
+    an idle engine, since with requests running it waits for them to finish, which is
+    their length, not the protocol's cost."""
     params = SamplingParams(max_tokens=1_000_000, ignore_eos=True)
     millis: list[float] = []
-    steps: list[int] = []
+    after_first: list[int] = []
+    after_last: list[int] = []
     for _ in range(repeats):
         async with anyio.create_task_group() as tg:
-            for rank in range(engine.dp_size):
-                tg.start_soon(_drain, engine.generate("pause me", params, dp_rank=rank))
-            while sum(r.core.num_running for r in (await engine.stats()).ranks) < engine.dp_size:
-                pass
+            if mode is not PauseMode.WAIT:
+                for rank in range(engine.dp_size):
+                    tg.start_soon(_drain, engine.generate("pause me", params, dp_rank=rank))
+                while (await engine.stats()).num_running < engine.dp_size:
+                    pass
             start = time.perf_counter()
             # The protocol's latency alone: no prefix-cache reset after the pause.
-            await engine.pause(PauseMode.KEEP, clear_cache=False)
+            await engine.pause(mode, clear_cache=False)
             millis.append((time.perf_counter() - start) * 1000)
             stats = await engine.stats()
-            steps.append(max(r.counters.last_pause_forwards for r in stats.ranks))
-            await engine.pause(PauseMode.ABORT)
+            counts = [r.counters.last_pause_forwards for r in stats.ranks]
+            after_first.append(max(counts))
+            after_last.append(min(counts))
+            if mode is PauseMode.KEEP:
+                await engine.pause(PauseMode.ABORT)
             await engine.resume()
-    return {"pause_ms": statistics.median(millis), "pause_steps": statistics.median(steps)}
+    return {
+        "pause_ms": statistics.median(millis),
+        "pause_forwards": max(after_last),
+        "pause_forwards_after_first": max(after_first),
+    }
 
 
 async def _drain(stream: Any) -> None:
@@ -111,7 +126,9 @@ async def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 await _throughput(engine, max(2, args.requests // 8), 4)  # warm-up
                 row: dict[str, Any] = {"dp_size": dp_size, "mode": mode}
                 row.update(await _throughput(engine, args.requests, args.max_tokens))
-                row.update(await _pause_latency(engine, args.pause_repeats))
+                for pause_mode in PauseMode:
+                    latency = await _pause_latency(engine, pause_mode, args.pause_repeats)
+                    row.update({f"{key}_{pause_mode.value}": v for key, v in latency.items()})
             rows.append(row)
             print(f"  measured dp_size={dp_size} {mode}", flush=True)
     return rows
@@ -129,7 +146,7 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
 def _print_table(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'dp':>3} {'mode':<12} {'req/s':>9} {'tokens/s':>10} {'vs indep':>9} "
-        f"{'vs dp min':>9} {'pause ms':>9} {'pause steps':>12}"
+        f"{'vs dp min':>9}" + "".join(f" {m.value + ' ms, fwd (1st)':>21}" for m in PauseMode)
     )
     print(header)
     print("-" * len(header))
@@ -137,7 +154,12 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         print(
             f"{row['dp_size']:>3} {row['mode']:<12} {row['requests_per_s']:>9.0f} "
             f"{row['tokens_per_s']:>10.0f} {row['vs_independent']:>8.2f}x "
-            f"{row['vs_smallest_dp']:>8.2f}x {row['pause_ms']:>9.1f} {row['pause_steps']:>12.1f}"
+            f"{row['vs_smallest_dp']:>8.2f}x"
+            + "".join(
+                f" {row[f'pause_ms_{m.value}']:>12.1f} {row[f'pause_forwards_{m.value}']:>3}"
+                f" ({row[f'pause_forwards_after_first_{m.value}']})"
+                for m in PauseMode
+            )
         )
 
 
@@ -189,9 +211,9 @@ def main() -> None:
         "targets": {
             "tokens_per_s_dp2": TARGET_TOKENS_PER_S_DP2,
             "lockstep_vs_independent": TARGET_LOCKSTEP_RATIO,
-            "pause_steps": TARGET_PAUSE_STEPS,
+            "pause_forwards": TARGET_PAUSE_FORWARDS,
         },
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": describe(),
         "rows": rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,10 @@ class EngineConfig:
 
     `dp_size > 1` runs that many engine ranks in processes of their own behind one
     front end. `dp_mode="lockstep"` makes them step together in waves (dummy batches,
-    an all-reduce on step 1 of a wave and every `sync_interval` steps), as models whose
-    ranks share collectives need; `"independent"` lets each rank run alone. A single
+    and a vote on steps 1 and 2 of a wave and every `sync_interval` steps: a
+    non-blocking all-reduce read one vote later, so a pause completes within
+    `2 * sync_interval` forwards of reaching every rank), as models whose ranks share
+    collectives need; `"independent"` lets each rank run alone. A single
     rank in this process has no peers to step with: it always runs independently.
     `transport` is how the processes talk (`ipc` sockets, or `tcp` on loopback);
     `startup_timeout` bounds the wait for every rank to load and report ready.
@@ -47,7 +49,7 @@ class EngineConfig:
     seed: int = 0
     dp_size: int = 1
     dp_mode: DPMode = "lockstep"
-    sync_interval: int = 32
+    sync_interval: int = 1
     transport: Transport = "ipc"
     startup_timeout: float = 120.0
 

@@ -37,14 +37,15 @@ class CoreStats:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankCounters:
-    """What one rank's loop did: forwards, syncs, waves, requests, the last pause's cost."""
+    """What one rank's loop did: forwards, votes read, waves, requests, the last pause's
+    cost."""
 
     wave: int
     step_counter: int
     running: bool
     real_steps: int
     dummy_steps: int
-    syncs: int
+    votes: int
     waves_started: int
     waves_completed: int
     requests_added: int

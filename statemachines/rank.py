@@ -1,4 +1,4 @@
-"""The engine rank's protocol: waves, lockstep syncs, two-phase pause, sleep.
+"""The engine rank's protocol: waves, pipelined lockstep votes, two-phase pause, sleep.
 
 Theory of operation (numbers are referred to by tests and by the engine loop):
 
@@ -10,36 +10,48 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
       ``SleepRequested``, ``WakeUpRequested``; perform the actions each returns;
    b. run one scheduler step (the scheduler itself honours ``PauseScheduler``) and feed
       ``StepDone(executed, has_unfinished)``; perform the actions in order:
-      ``RunDummyBatch`` (one dummy forward), then ``SyncDP`` (the all-reduce; feed its
-      result as ``SyncDone``, whose actions are performed too);
+      ``RunDummyBatch`` (one dummy forward), ``StartVote`` (start the non-blocking
+      all-reduce of this step's vote), ``AwaitVote`` (wait for the previous vote's
+      result and feed it as ``SyncDone``, whose actions are performed too), and
+      ``DrainVote`` (wait for a vote whose result no longer matters);
    c. if the last action of the iteration was ``Idle``, block until the next input,
       otherwise start the next iteration at once.
 
    ``ResumeBarrier`` asks for the barrier all-reduce of the resume; feed its result as
-   ``ResumeSynced``. While a collective is outstanding (phases SYNCING, BARRIER and
-   SWITCHING) the machine takes nothing but its result: inputs wait in the loop's
-   queue. ``rank_loop.RankLoop`` is that loop, written once for the engine and the
-   simulation.
+   ``ResumeSynced``. While a collective is awaited (phases SYNCING, BARRIER and
+   SWITCHING, and a drain) the machine takes nothing but its result: inputs wait in
+   the loop's queue. ``rank_loop.RankLoop`` is that loop, written once for the engine
+   and the simulation.
 2. Lockstep mode: while a wave runs every iteration issues exactly one forward (a real
-   step, else ``RunDummyBatch``), ``step_counter`` counts them, and the rank syncs on
-   step 1 of a wave and every ``sync_interval`` steps. Only an all-reduce stops a wave.
-3. Independent mode: no syncs, no dummy batches, no waves; the rank runs while it has
+   step, else ``RunDummyBatch``) and ``step_counter`` counts them. The ranks vote on
+   steps 1 and 2 of a wave and every ``sync_interval`` steps (1 by default: every
+   step). Votes are pipelined: a vote is started after the forward that it describes
+   and read at the next vote point, after that point's forward, so the all-reduce
+   overlaps a forward instead of stopping every rank. Every rank reads the same result
+   for the same vote, so their decisions stay identical. Only a vote stops a wave.
+3. Independent mode: no votes, no dummy batches, no waves; the rank runs while it has
    work and pauses on its own (a WAIT pause after a step that ran nothing or finished
    its last request).
 4. A wake not decided by a collective is announced with ``NotifyStartWave``: a request
    reaching an idle unpaused rank (whatever its wave), or a ``StartWave`` acted upon.
    ``StartWave`` is ignored while ``ignore_start_wave`` is set, for an older wave, by
    the rank it excludes, and by a rank already running.
-5. A sync ends the wave when nobody has work and nobody is pausing; rank 0 then sends
-   ``NotifyWaveComplete``. Every rank does ``wave += 1`` and ``step_counter = 0``.
+5. A vote that says nobody had work and nobody was pausing is confirmed by the vote
+   started after this iteration's forward (every rank of the wave started it before
+   reading the older one, so it completes): work or a pause that arrived in between is
+   in it, and the wave goes on. When the newest vote says so too, the wave ends with no
+   vote open: rank 0 sends ``NotifyWaveComplete``, and every rank does ``wave += 1``
+   and ``step_counter = 0``.
 6. Pause phase 1 (PENDING): the scheduler is paused in the requested mode and a
    lockstep rank is forced running, so it keeps serving peers. It votes for the pause
-   at each sync (a WAIT pause only once nothing of its own executes any more; until
+   at each vote (a WAIT pause only once nothing of its own executes any more; until
    then it reports work, so the wave cannot end under it).
-7. Pause phase 2: when every rank votes, the wave ends (rule 5), ``ignore_start_wave``
-   is set, a WAIT scheduler is frozen (KEEP) and ``PauseComplete`` is returned, after
-   the last forward of that iteration. A pause while paused answers at once and only
-   an ABORT touches the frozen scheduler.
+7. Pause phase 2: when every rank voted for it, the wave ends, the vote still open is
+   drained, ``ignore_start_wave`` is set, a WAIT scheduler is frozen (KEEP) and
+   ``PauseComplete`` is returned, after the last forward of that iteration: a pause
+   that reached every rank completes within two forwards (``2 * sync_interval`` in
+   general). A pause while paused answers at once and only an ABORT touches the
+   frozen scheduler.
 8. Requests reaching a paused or sleeping rank wait and say so (``RequestHeld``).
 9. Resume while PENDING is refused; resume while unpaused is a harmless no-op (a
    duplicate resume never sends one rank into the barrier alone); resume while paused
@@ -58,8 +70,9 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
     (running, wave, step_counter), then ``GroupSwitched``. A rank built ``joining``
     (scale up) starts paused (KEEP) with ``ignore_start_wave``, and
     ``initial_actions()`` freezes its scheduler before the loop takes any input.
-12. ``SyncDone`` may carry the spans (min, max) of the participants' wave and step
-    counter; any difference raises ``LockstepDriftError`` instead of hanging later.
+12. ``SyncDone`` may carry the spans (min, max) of the voters' wave and step counter;
+    any difference from the vote this rank started raises ``LockstepDriftError``
+    instead of hanging later.
 """
 
 from __future__ import annotations
@@ -136,6 +149,8 @@ class StepDone:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SyncDone:
+    """The result of a vote: OR of the voters' work, the count of pausing voters."""
+
     any_unfinished: bool
     pausing_ranks: int
     wave_span: tuple[int, int] | None = None
@@ -220,14 +235,25 @@ class RunDummyBatch:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SyncDP:
-    """All-reduce ``[has_unfinished, pending_pause]`` (OR and count); wave and
-    step_counter are for the drift check (min and max)."""
+class StartVote:
+    """Start, without waiting, the all-reduce of ``[has_unfinished, pending_pause]`` (OR
+    and count); wave and step_counter are for the drift check (min and max)."""
 
     has_unfinished: bool
     pending_pause: bool
     wave: int
     step_counter: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AwaitVote:
+    """Wait for the oldest vote this rank started; feed its result as ``SyncDone``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DrainVote:
+    """Wait for the oldest vote this rank started and drop its result: the wave it
+    would have decided on is over."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -322,6 +348,8 @@ class RankSnapshot:
     has_work: bool = False
     asleep: frozenset[str] = frozenset()
     sleep_level: int | None = None
+    # Votes started and not read yet (lockstep, rule 2): at most two.
+    open_votes: int = 0
 
 
 _IDLE, _RUNNING, _SYNCING, _BARRIER, _SWITCHING = RankPhase
@@ -347,7 +375,7 @@ def _rows() -> dict[tuple[RankPhase, type], Transition]:
         (_RUNNING, SleepRequested): row("on_sleep", _RUNNING),
         (_RUNNING, ResumeRequested): row("on_resume", _RUNNING),
         (_RUNNING, WakeUpRequested): row("on_wake_up", _RUNNING),
-        (_SYNCING, SyncDone): row("on_sync_done", _IDLE, _RUNNING),
+        (_SYNCING, SyncDone): row("on_sync_done", _IDLE, _RUNNING, _SYNCING),
         (_BARRIER, ResumeSynced): row("on_resume_synced", _IDLE, _RUNNING),
         (_SWITCHING, Reconfigured): row("on_reconfigured", _IDLE),
     }
@@ -366,7 +394,7 @@ class RankMachine(TableMachine[RankSnapshot]):
         rank: int,
         dp_size: int,
         *,
-        sync_interval: int = 32,
+        sync_interval: int = 1,
         lockstep: bool = True,
         joining: bool = False,
     ) -> None:
@@ -428,9 +456,21 @@ class RankMachine(TableMachine[RankSnapshot]):
 
     # -- rules that broken variants in the tests override ----------------------------
 
-    def sync_due(self, step_counter: int) -> bool:
-        """Rule 2: step 1 of a wave, and every ``sync_interval`` steps."""
-        return step_counter == 1 or step_counter % self.sync_interval == 0
+    def vote_due(self, step_counter: int) -> bool:
+        """Rule 2: steps 1 and 2 of a wave (so a pause of an idle engine costs two
+        forwards), and every ``sync_interval`` steps."""
+        return step_counter <= 2 or step_counter % self.sync_interval == 0
+
+    def voted_step(self, state: RankSnapshot) -> int:
+        """The step of the oldest open vote: this step's own when it is the only one,
+        else the previous vote point."""
+        step = state.step_counter
+        if state.open_votes < 2:
+            return step
+        step -= 1
+        while step > 1 and not self.vote_due(step):
+            step -= 1
+        return step
 
     def needs_dummy(self, state: RankSnapshot, event: StepDone) -> bool:
         """Rule 2: one forward per iteration while the wave runs."""
@@ -461,13 +501,13 @@ class RankMachine(TableMachine[RankSnapshot]):
         reason = "asleep" if state.asleep else "paused"
         return (RequestHeld(request_ids=(event.request_id,), reason=reason),)
 
-    def sync_contribution(self, state: RankSnapshot, event: StepDone, counter: int) -> SyncDP:
+    def vote(self, state: RankSnapshot, event: StepDone, counter: int) -> StartVote:
         """Rules 6 and 7: a pausing rank votes, a WAIT pause only once nothing of its
         own executes any more. Until then it reports work, so the wave goes on until it
         can vote: a draining rank that reported none could end the wave with its pause
         still pending, leaving its peers to pause without it."""
         draining = state.pause_mode is PauseMode.WAIT and event.executed
-        return SyncDP(
+        return StartVote(
             has_unfinished=event.has_unfinished or draining,
             pending_pause=state.pause_state is PauseState.PENDING and not draining,
             wave=state.wave,
@@ -547,9 +587,12 @@ class RankMachine(TableMachine[RankSnapshot]):
             actions.append(RunDummyBatch())
         counter = state.step_counter + 1 if self.counts_step(event) else state.step_counter
         state = replace(state, step_counter=counter)
-        if counter and self.sync_due(counter):
-            actions.append(self.sync_contribution(state, event, counter))
-            state = replace(state, phase=_SYNCING)
+        if counter and self.vote_due(counter):
+            actions.append(self.vote(state, event, counter))
+            if state.open_votes:
+                actions.append(AwaitVote())
+                state = replace(state, phase=_SYNCING)
+            state = replace(state, open_votes=state.open_votes + 1)
         return state, tuple(actions)
 
     def _independent_step(self, state: RankSnapshot, event: StepDone) -> Result:
@@ -564,7 +607,7 @@ class RankMachine(TableMachine[RankSnapshot]):
             raise self.refuse(state, event, f"more pausing ranks than dp_size {state.dp_size}")
         for name, span, own in (
             ("wave", event.wave_span, state.wave),
-            ("step_counter", event.step_counter_span, state.step_counter),
+            ("step_counter", event.step_counter_span, self.voted_step(state)),
         ):
             if span is not None and span != (own, own):
                 raise LockstepDriftError(
@@ -573,17 +616,22 @@ class RankMachine(TableMachine[RankSnapshot]):
                     event,
                     f"{name} {own} here, {span[0]}..{span[1]} across the group",
                 )
+        state = replace(state, open_votes=state.open_votes - 1)
         if event.pausing_ranks == state.dp_size:
             if state.pause_state is not PauseState.PENDING:
                 raise self.refuse(state, event, "pause consensus but this rank is not pausing")
-            return self._pause_reached(state, self._end_wave_actions(state))
+            drain = (DrainVote(),) * state.open_votes
+            return self._pause_reached(state, (*drain, *self._end_wave_actions(state)))
         if event.any_unfinished or event.pausing_ranks:
             return replace(state, phase=_RUNNING), ()
-        ended = self._end_wave(state)
-        return ended, (*self._end_wave_actions(state), Idle())
+        if state.open_votes:
+            return state, (AwaitVote(),)  # rule 5: the newest vote confirms
+        return self._end_wave(state), (*self._end_wave_actions(state), Idle())
 
     def _end_wave(self, state: RankSnapshot) -> RankSnapshot:
-        return replace(state, phase=_IDLE, running=False, wave=state.wave + 1, step_counter=0)
+        return replace(
+            state, phase=_IDLE, running=False, wave=state.wave + 1, step_counter=0, open_votes=0
+        )
 
     def _end_wave_actions(self, state: RankSnapshot) -> tuple[object, ...]:
         return (NotifyWaveComplete(wave=state.wave),) if state.rank == 0 else ()

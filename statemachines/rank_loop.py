@@ -12,9 +12,10 @@ Theory of operation:
    - ``RunStep``: first ``deliver`` every input that already arrived (the top of an
      iteration), then run one scheduler step and ``complete`` it with its ``StepDone``;
    - ``RunDummy``: one dummy forward, ``complete(None)``;
-   - ``Collective``: the all-reduce, barrier or group join its ``action`` names,
-     ``complete`` it with the machine event that carries the result (``SyncDone``,
-     ``ResumeSynced``, ``Reconfigured``);
+   - ``Collective``: the vote, barrier or group join its ``action`` names, ``complete``
+     it with the machine event that carries the result (``SyncDone``, ``ResumeSynced``,
+     ``Reconfigured``); a drained vote's result is dropped here, the machine has
+     already decided without it;
    - ``Sleep`` / ``Wake``: free or restore the executor's memory, ``complete(None)``.
 
    While anything but ``WaitForInput`` or ``RunStep`` is pending, ``deliver`` is
@@ -24,8 +25,8 @@ Theory of operation:
    a client's call carrying a machine event (pause, resume, sleep, wake-up, switch) or
    a local query (``ResetPrefixCache``, ``ReportStats``).
 4. The machine's actions are performed in order: the cheap ones at once through the
-   driver's ``RankEffects`` (scheduler, messages, replies), the blocking ones by
-   making them ``pending``; the actions after a blocking one wait in ``queued`` until
+   driver's ``RankEffects`` (scheduler, messages, replies, starting a vote), the
+   blocking ones by making them ``pending``; the actions after a blocking one wait in ``queued`` until
    it completes. When no action asked to go idle, the next iteration steps.
 5. Calls are answered when their protocol says: a pause at ``PauseComplete``, a sleep
    once the executor slept (``EnterSleep``), a switch at ``GroupSwitched``, every other
@@ -40,6 +41,8 @@ from typing import Protocol
 
 from .errors import ProtocolError
 from .rank import (
+    AwaitVote,
+    DrainVote,
     EnterSleep,
     GroupSwitched,
     Idle,
@@ -61,11 +64,11 @@ from .rank import (
     ResumeSynced,
     RunDummyBatch,
     SleepRequested,
+    StartVote,
     StartWave,
     StepDone,
     SwitchRequested,
     SyncDone,
-    SyncDP,
     WakeUp,
     WakeUpRequested,
 )
@@ -141,7 +144,7 @@ class RunDummy:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Collective:
-    action: SyncDP | ResumeBarrier | JoinGroup
+    action: AwaitVote | DrainVote | ResumeBarrier | JoinGroup
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,6 +185,10 @@ class RankEffects(Protocol):
 
     def notify_coordinator(self, message: NotifyStartWave | NotifyWaveComplete) -> None: ...
 
+    def start_vote(self, vote: StartVote) -> None:
+        """Start the vote's all-reduce without waiting; ``AwaitVote`` and ``DrainVote``
+        wait for the started votes, oldest first."""
+
     def announce_held(self, request_ids: tuple[str, ...], reason: str) -> None: ...
 
     def report(self) -> object: ...
@@ -205,7 +212,12 @@ _RESULTS = {
     Sleep: type(None),
     Wake: type(None),
 }
-_COLLECTIVE_RESULTS = {SyncDP: SyncDone, ResumeBarrier: ResumeSynced, JoinGroup: Reconfigured}
+_COLLECTIVE_RESULTS = {
+    AwaitVote: SyncDone,
+    DrainVote: SyncDone,
+    ResumeBarrier: ResumeSynced,
+    JoinGroup: Reconfigured,
+}
 
 
 class RankLoop:
@@ -273,7 +285,9 @@ class RankLoop:
         queued = self._state.queued
         self._state = replace(self._state, pending=RunStep(), queued=())
         actions: tuple[object, ...] = ()
-        if isinstance(pending, RunStep | Collective):
+        if isinstance(pending, RunStep) or (
+            isinstance(pending, Collective) and not isinstance(pending.action, DrainVote)
+        ):
             actions = self.machine.handle(result)
         elif isinstance(pending, Sleep):
             calls = self._state.sleep_calls
@@ -322,7 +336,7 @@ class RankLoop:
         """Do one action; return what to wait for when it blocks."""
         if isinstance(action, RunDummyBatch):
             return RunDummy()
-        if isinstance(action, SyncDP | ResumeBarrier | JoinGroup):
+        if isinstance(action, AwaitVote | DrainVote | ResumeBarrier | JoinGroup):
             return Collective(action=action)
         if isinstance(action, EnterSleep):
             return Sleep(level=action.level, tags=action.tags)
@@ -330,6 +344,8 @@ class RankLoop:
             return Wake(tags=action.tags) if action.tags else None
         if isinstance(action, Idle):
             self._state = replace(self._state, pending=WaitForInput())
+        elif isinstance(action, StartVote):
+            effects.start_vote(action)
         elif isinstance(action, NotifyStartWave | NotifyWaveComplete):
             effects.notify_coordinator(action)
         elif isinstance(action, PauseScheduler):

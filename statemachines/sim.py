@@ -17,7 +17,7 @@ Theory of operation:
    interleaving of the small configurations of ``explore.default_configs`` (a request,
    pause and resume, a scale up and a scale down, a request during a scale up) and
    exits 0 with "no violation", or 1 with the violating trace; ``--break NAME`` runs a
-   deliberately broken variant.
+   deliberately broken variant, ``--scenario NAME`` only the configurations named.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Simulation:
         dp_size: int,
         seed: int,
         *,
-        sync_interval: int = 4,
+        sync_interval: int = 1,
         lockstep: bool = True,
         duplicate_wave_complete: bool = True,
         variant: str | None = None,
@@ -159,9 +159,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--break", dest="variant", choices=sorted(VARIANTS), help="run a deliberately broken rule"
     )
+    parser.add_argument(
+        "--sync-interval", type=int, default=1, help="steps between lockstep votes (default 1)"
+    )
+    parser.add_argument(
+        "--scenario",
+        action="append",
+        metavar="NAME",
+        help="explore only this configuration (repeatable; default: every one)",
+    )
     args = parser.parse_args(argv)
+    if args.sync_interval < 1:
+        parser.error(f"--sync-interval must be >= 1, got {args.sync_interval}")
+    configs = default_configs(args.dp, args.sync_interval)
+    names = [name for name, _ in configs]
+    unknown = sorted(set(args.scenario or ()) - set(names))
+    if unknown:
+        parser.error(f"unknown scenario {', '.join(unknown)} at dp {args.dp}: choose from {names}")
     total = 0
-    for name, config in default_configs(args.dp):
+    for name, config in configs:
+        if args.scenario and name not in args.scenario:
+            continue
         if args.variant:
             config = config.broken(args.variant)
         started = time.perf_counter()
@@ -169,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds = time.perf_counter() - started
         total += result.states
         print(
-            f"{name}: dp={args.dp} depth={result.depth} states explored: {result.states} "
+            f"{name}: dp={args.dp} sync_interval={args.sync_interval} depth={result.depth} "
+            f"states explored: {result.states} "
             f"({seconds:.1f} s)"
         )
         if result.violation is not None:

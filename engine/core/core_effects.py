@@ -13,13 +13,19 @@ from wavecore.engine import messages as m
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.interface import RankStats
 from wavecore.engine.scheduler import RequestUpdate
-from wavecore.statemachines import NotifyStartWave, NotifyWaveComplete, PauseMode, ProtocolError
+from wavecore.statemachines import (
+    NotifyStartWave,
+    NotifyWaveComplete,
+    PauseMode,
+    ProtocolError,
+    StartVote,
+)
 
 # What a rank's loop counts, reported in `RankCounters`.
 COUNTERS = (
     "real_steps",
     "dummy_steps",
-    "syncs",
+    "votes",
     "waves_started",
     "waves_completed",
     "requests_added",
@@ -37,8 +43,10 @@ class CoreEffects:
         rank: int,
         counts: dict[str, int],
         stats: Callable[[], RankStats],
+        start_vote: Callable[[StartVote], None],
     ) -> None:
         self._core = core
+        self._start_vote = start_vote
         self._rank = rank
         self._counters = counts
         self._stats = stats
@@ -78,6 +86,9 @@ class CoreEffects:
 
     def reset_prefix_cache(self) -> None:
         self._core.reset_prefix_cache()
+
+    def start_vote(self, vote: StartVote) -> None:
+        self._start_vote(vote)
 
     def notify_coordinator(self, message: NotifyStartWave | NotifyWaveComplete) -> None:
         if isinstance(message, NotifyStartWave):

@@ -4,7 +4,7 @@ The rank runs the same `RankRunner` and `RankMachine` as a rank process; only th
 transport differs: messages travel as objects on two unbounded memory streams
 instead of nng channels, so nothing is encoded and the runner never waits for the
 front end. One rank has no peers to keep in step, so it runs the machine's
-independent mode (no syncs, no dummy forwards) whatever `dp_mode` says; there is no
+independent mode (no votes, no dummy forwards) whatever `dp_mode` says; there is no
 coordinator, and the rank's own counters are the wave view.
 """
 

@@ -7,7 +7,8 @@ Theory of operation:
    answers what the loop waits for; `core_effects.CoreEffects` is its `RankEffects`
    on an `EngineCore`. Forwards, dummy batches, collectives, sleeps and wakes run on
    the `ModelThread`, in order; the scheduler is touched only between them, on the
-   event loop.
+   event loop. A vote is started there too (gloo runs it in the background) and
+   awaited on the model thread one step later.
 2. Inputs are the client's messages (`engine.messages`); each becomes one loop input
    (`rank_inputs`). They arrive on one in-memory stream, from the channels of a rank
    process or straight from an in-process front end.
@@ -39,8 +40,10 @@ from wavecore.engine.core.rank_inputs import BadCall, loop_input_of
 from wavecore.engine.executors.batch import EXECUTOR_TAGS
 from wavecore.engine.interface import RankCounters, RankStats
 from wavecore.statemachines import (
+    AwaitVote,
     Call,
     Collective,
+    DrainVote,
     JoinGroup,
     PauseRequested,
     RankLoop,
@@ -51,9 +54,9 @@ from wavecore.statemachines import (
     RunDummy,
     RunStep,
     Sleep,
+    StartVote,
     StepDone,
     SyncDone,
-    SyncDP,
     WaitForInput,
 )
 
@@ -71,9 +74,11 @@ class Sink(Protocol):
 
 
 class DPGroupHandle(Protocol):
-    def sync(
+    def start_vote(
         self, *, has_unfinished: bool, pending_pause: bool, wave: int, step_counter: int
-    ) -> Any: ...
+    ) -> None: ...
+
+    def await_vote(self) -> Any: ...
 
     def barrier(self, *, has_unfinished: bool) -> bool: ...
 
@@ -112,7 +117,7 @@ class RankRunner:
         self._coordinator = coordinator
         self._on_invalid = on_invalid
         self.counts = dict.fromkeys(COUNTERS, 0)
-        self._effects = CoreEffects(core, self.rank, self.counts, self.stats)
+        self._effects = CoreEffects(core, self.rank, self.counts, self.stats, self._start_vote)
         self._backlog: deque[Any] = deque()
         self._last_load: tuple[int, int, float] | None = None
         # A switch's group prefix, kept from its message until the collective runs.
@@ -209,26 +214,33 @@ class RankRunner:
                 continue
             self._deliver(item)
 
-    async def _collective(self, action: SyncDP | ResumeBarrier | JoinGroup) -> object:
+    def _start_vote(self, vote: StartVote) -> None:
+        self._current_group(vote).start_vote(
+            has_unfinished=vote.has_unfinished,
+            pending_pause=vote.pending_pause,
+            wave=vote.wave,
+            step_counter=vote.step_counter,
+        )
+
+    def _current_group(self, action: object) -> DPGroupHandle:
+        if self._group is None:
+            raise RuntimeError(f"rank {self.rank} has no DP group for {action}")
+        return self._group
+
+    async def _collective(
+        self, action: AwaitVote | DrainVote | ResumeBarrier | JoinGroup
+    ) -> object:
         if isinstance(action, JoinGroup):
             return await self._join(action)
-        group = self._group
-        if group is None:
-            raise RuntimeError(f"rank {self.rank} has no DP group for {action}")
+        group = self._current_group(action)
         if isinstance(action, ResumeBarrier):
             synced = await self._thread.run(
                 lambda: group.barrier(has_unfinished=action.has_unfinished)
             )
             return ResumeSynced(any_unfinished=synced)
-        result = await self._thread.run(
-            lambda: group.sync(
-                has_unfinished=action.has_unfinished,
-                pending_pause=action.pending_pause,
-                wave=action.wave,
-                step_counter=action.step_counter,
-            )
-        )
-        self.counts["syncs"] += 1
+        result = await self._thread.run(group.await_vote)
+        if isinstance(action, AwaitVote):
+            self.counts["votes"] += 1
         return SyncDone(
             any_unfinished=result.any_unfinished,
             pausing_ranks=result.pausing_ranks,

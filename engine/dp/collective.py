@@ -4,20 +4,25 @@ Each engine hosts its own `TCPStore` (in the client, on 127.0.0.1 port 0) and ev
 builds a `ProcessGroupGloo` over a `PrefixStore` of it, so several engines (and tests)
 coexist on one machine without touching torch's global default group.
 
-One collective, one layout: every sync and every resume barrier is a single MAX
+One collective, one layout: every vote and every resume barrier is a single MAX
 all-reduce of
 
     [kind, -kind, has_unfinished, wave, -wave, step_counter, -step_counter, votes...]
 
 where `votes` has one slot per rank (1 where that rank votes to pause). MAX over a pair
 `[x, -x]` yields both the max and the min of `x`, which is how drift (ranks meeting with
-different waves or step counters) and a mixed collective (one rank in a sync, another in
-the resume barrier) are detected instead of producing nonsense. The calls block; the
-rank loop runs them on its model thread, in order with its forwards.
+different waves or step counters) and a mixed collective (one rank in a vote, another in
+the resume barrier) are detected instead of producing nonsense.
+
+A vote does not block: `start_vote` hands the all-reduce to gloo's own thread and
+returns at once, `await_vote` waits for the oldest started vote (the rank loop reads a
+vote one step after it started it, so the all-reduce overlaps a forward). The barrier
+blocks. Whatever blocks runs on the rank's model thread, in order with its forwards.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -28,7 +33,7 @@ _SYNC, _BARRIER = 1, 2
 
 
 class CollectiveMismatchError(RuntimeError):
-    """Ranks met in one all-reduce from different collectives (sync vs barrier)."""
+    """Ranks met in one all-reduce from different collectives (vote vs barrier)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,6 +53,7 @@ class DPGroup:
         self.size = size
         self._options = dist.AllreduceOptions()
         self._options.reduceOp = dist.ReduceOp.MAX
+        self._votes: deque[tuple[dist.Work, torch.Tensor]] = deque()
 
     @classmethod
     def join(
@@ -58,10 +64,20 @@ class DPGroup:
         group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timeout)
         return cls(group, rank, size)
 
-    def sync(
+    def start_vote(
         self, *, has_unfinished: bool, pending_pause: bool, wave: int, step_counter: int
-    ) -> SyncResult:
-        reduced = self._all_reduce(_SYNC, has_unfinished, wave, step_counter, pending_pause)
+    ) -> None:
+        """Start this step's vote; it completes in the background."""
+        tensor = self._layout(_SYNC, has_unfinished, wave, step_counter, pending_pause)
+        self._votes.append((self._group.allreduce([tensor], self._options), tensor))
+
+    def await_vote(self) -> SyncResult:
+        """The oldest started vote's result (blocks until every rank started it)."""
+        if not self._votes:
+            raise RuntimeError(f"rank {self.rank} awaits a vote it never started")
+        work, tensor = self._votes.popleft()
+        work.wait()
+        reduced = self._checked(tensor)
         return SyncResult(
             any_unfinished=bool(reduced[2]),
             pausing_ranks=int(sum(reduced[7:])),
@@ -71,20 +87,25 @@ class DPGroup:
 
     def barrier(self, *, has_unfinished: bool) -> bool:
         """The resume barrier: whether any rank holds work."""
-        return bool(self._all_reduce(_BARRIER, has_unfinished, 0, 0, False)[2])
+        if self._votes:
+            raise RuntimeError(f"rank {self.rank} enters the barrier with a vote unread")
+        tensor = self._layout(_BARRIER, has_unfinished, 0, 0, False)
+        self._group.allreduce([tensor], self._options).wait()
+        return bool(self._checked(tensor)[2])
 
-    def _all_reduce(
+    def _layout(
         self, kind: int, has_unfinished: bool, wave: int, step_counter: int, vote: bool
-    ) -> list[int]:
+    ) -> torch.Tensor:
         votes = [0] * self.size
         votes[self.rank] = int(vote)
         values = [kind, -kind, int(has_unfinished), wave, -wave, step_counter, -step_counter]
-        tensor = torch.tensor(values + votes, dtype=torch.int64)
-        self._group.allreduce([tensor], self._options).wait()
+        return torch.tensor(values + votes, dtype=torch.int64)
+
+    def _checked(self, tensor: torch.Tensor) -> list[int]:
         reduced = tensor.tolist()
         if reduced[0] != -reduced[1]:
             raise CollectiveMismatchError(
                 f"rank {self.rank} met its peers in different collectives "
-                f"(kinds {-reduced[1]}..{reduced[0]}; 1 = sync, 2 = resume barrier)"
+                f"(kinds {-reduced[1]}..{reduced[0]}; 1 = vote, 2 = resume barrier)"
             )
         return reduced

@@ -3,7 +3,7 @@
 Every rank of the new group (staying and new ones) builds a gloo group under the new
 store prefix (one per reconfiguration, so the old and new groups never share keys) and
 runs one MAX all-reduce of `[running, wave, step_counter]` on it: the result is what
-`RankMachine`'s `Reconfigured` takes, so every member meets the next sync in lockstep.
+`RankMachine`'s `Reconfigured` takes, so every member meets the next vote in lockstep.
 Blocking; the rank loop runs it on its model thread.
 """
 

@@ -42,6 +42,10 @@ class ClientState:
     # The mode of the awaited pause or sleep: each rank's answer is checked against it.
     awaited_mode: PauseMode | None = None
     awaiting: frozenset[int] = frozenset()
+    # The ranks that took the awaited call so far, and once a KEEP or ABORT pause
+    # reached all of them, the (wave, step) by which it must be done (rank rule 7).
+    arrivals: frozenset[int] = frozenset()
+    pause_deadline: tuple[int, int] | None = None
     paused: bool = False
     asleep: bool = False
     # The size the coordinator last published (a scale waits for its new size).

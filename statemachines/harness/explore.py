@@ -47,18 +47,36 @@ class ExploreConfig:
         return replace(self, world=world)
 
 
-def default_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
-    """The configurations the command line explores.
+def default_configs(dp_size: int, sync_interval: int = 1) -> tuple[tuple[str, ExploreConfig], ...]:
+    """The configurations the command line explores, every one with votes every
+    ``sync_interval`` steps.
 
     A request and a pause together multiply the interleavings: at dp_size 3 that
     product does not fit the time budget, so there the request and the pause (with a
     duplicate resume) are explored in separate configurations.
     """
+    return tuple(
+        (name, replace(config, world=replace(config.world, sync_interval=sync_interval)))
+        for name, config in _configs(dp_size)
+    )
+
+
+def _configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
     last = RequestSpec(rank=dp_size - 1, steps=1)
     pause_resume = (("pause", PauseMode.KEEP), ("resume",), ("resume",))
+    # Each call arrives while the previous one's pause, of another mode, is in force.
+    pause_modes = (
+        ("pause", PauseMode.KEEP),
+        ("pause", PauseMode.ABORT),
+        ("sleep", 1, PauseMode.WAIT),
+        ("wake",),
+        ("resume",),
+        ("resume",),
+    )
     configs = [
         ("request", ExploreConfig(world=WorldConfig(dp_size=dp_size), requests=(last,))),
         ("pause-resume", ExploreConfig(world=WorldConfig(dp_size=dp_size), script=pause_resume)),
+        ("pause-modes", ExploreConfig(world=WorldConfig(dp_size=dp_size), script=pause_modes)),
     ]
     if dp_size <= 2:
         world = WorldConfig(dp_size=dp_size, duplicate_wave_complete=False)

@@ -1,13 +1,15 @@
 """The properties a simulated deployment must hold; ``Violation`` names the one broken.
 
 After every move: the coordinator's wave never goes backwards nor ahead of the ranks;
-the members of one collective wait in the same kind of collective; no rank ran more
-forwards than a peer waiting in the all-reduce admits (drift); no collective waits
-for a member that is idle while nothing is in flight (deadlock). The world itself
-raises the violations it sees as they happen: a forward after the pause consensus or
-after the client saw the pause done, a request waiting unannounced at a paused or
-sleeping rank, a refused call, a lockstep mismatch in an all-reduce, a request left
-on a leaving rank.
+no collective waits for a member that waits in another collective, or that is idle
+while nothing is in flight (deadlock; a vote waits only for the members that have not
+started it). The world itself raises the violations it sees as they happen: a forward
+after the pause consensus or after the client saw the pause done, more forwards after
+a KEEP or ABORT pause reached every rank than rank rule 7 allows (slow_pause), a
+request waiting unannounced at a paused or sleeping rank, a refused call, a vote whose
+voters disagree on wave or step or whose step is not the voter's forward count
+(lockstep), a blocking collective entered with a vote unread (collective_order), a
+request left on a leaving rank.
 
 At quiescence (nothing to deliver, nothing to step): the coordinator agrees with the
 ranks, every call the client waits for was answered, no scale is stuck, and every
@@ -16,7 +18,7 @@ accepted request finished unless the engines are paused.
 
 from __future__ import annotations
 
-from ..rank import JoinGroup, PauseMode, PauseState, SyncDP
+from ..rank import AwaitVote, DrainVote, JoinGroup, PauseMode, PauseState
 from ..rank_loop import Collective, WaitForInput
 from .view import WorldView
 
@@ -61,56 +63,45 @@ def check_after_move(world: WorldView, coordinator_wave_before: int) -> None:
     }
     for r, action in waiting.items():
         members = collective_members(world, action)
-        kinds = {type(waiting[q]).__name__ for q in members if q in waiting}
-        if len(kinds) > 1:
-            raise Violation("deadlock", f"ranks wait in different collectives: {sorted(kinds)}")
-        if isinstance(action, SyncDP):
-            _check_drift(world, r, action, waiting)
+        if isinstance(action, AwaitVote | DrainVote):
+            # A vote is still awaited only while a member has not started it.
+            index = world.toys[r].votes_read
+            blockers = [q for q in members if len(world.toys[q].votes) <= index]
+        else:
+            blockers = [q for q in members if not isinstance(waiting.get(q), type(action))]
+        other = sorted({_kind(waiting[q]) for q in blockers if q in waiting} - {_kind(action)})
+        if other:
+            raise Violation(
+                "deadlock", f"rank {r} waits in a {_kind(action)} while ranks wait in {other}"
+            )
         if not world.network:
-            idle = [
-                q
-                for q in members
-                if q not in waiting and isinstance(world.loops[q].pending, WaitForInput)
-            ]
+            idle = [q for q in blockers if isinstance(world.loops[q].pending, WaitForInput)]
             if idle:
                 raise Violation(
                     "deadlock",
-                    f"ranks {sorted(waiting)} wait in the {type(action).__name__} while ranks "
-                    f"{idle} are idle and nothing is in flight",
+                    f"rank {r} waits in the {_kind(action)} while ranks {idle} are idle "
+                    "and nothing is in flight",
                 )
 
 
-def _check_drift(world: WorldView, r: int, action: SyncDP, waiting: dict[int, object]) -> None:
-    for q in world.group:
-        peer = world.toys[q]
-        if (
-            q not in waiting
-            and world.loops[q].machine.wave == action.wave
-            and peer.forwards_wave == action.wave
-            and peer.forwards > action.step_counter
-        ):
-            raise Violation(
-                "drift",
-                f"rank {q} ran {peer.forwards} forwards while rank {r} waits at step "
-                f"{action.step_counter}",
-            )
+def _kind(action: object) -> str:
+    return "vote" if isinstance(action, AwaitVote | DrainVote) else type(action).__name__
 
 
 def check_answer(world: WorldView, r: int, mode: PauseMode | None) -> None:
     """Each call's contract, when rank ``r`` answers a pause or sleep in ``mode``: the
-    rank is paused, and after an ABORT or WAIT pause nothing it admitted is left to run
-    (requests that arrived since wait unadmitted; a KEEP pause keeps them frozen)."""
+    rank is paused; after an ABORT pause it holds nothing it admitted; after a WAIT
+    pause nothing it admitted is left either, unless an earlier KEEP pause froze it
+    (rank rule 7: a pause while paused keeps what the first one decided). Requests that
+    arrived since wait unadmitted."""
     machine = world.loops[r].machine
     if machine.pause_state is not PauseState.PAUSED:
         raise Violation("call_contract", f"rank {r} answered while {machine.pause_state.name}")
-    toy = world.toys[r]
-    # Admitted requests may stay only frozen: a WAIT pause answered over a KEEP pause
-    # keeps what the KEEP froze (rank rule 7).
-    admitted = [q.id for q in toy.requests if q.admitted]
-    frozen = toy.scheduler_pause is PauseMode.KEEP
-    if mode in (PauseMode.ABORT, PauseMode.WAIT) and admitted and not frozen:
+    admitted = [q.id for q in world.toys[r].requests if q.admitted]
+    kept_by_keep = machine.snapshot().pause_mode is PauseMode.KEEP
+    if admitted and (mode is PauseMode.ABORT or (mode is PauseMode.WAIT and not kept_by_keep)):
         raise Violation(
-            "call_contract", f"rank {r} answered a {mode.name} pause still running {admitted}"
+            "call_contract", f"rank {r} answered a {mode.name} pause still holding {admitted}"
         )
 
 

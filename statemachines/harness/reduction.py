@@ -1,17 +1,18 @@
 """The state key of a world: everything that decides its future, and nothing more.
 
-Step counters of a long-running wave are shifted down by a multiple of
-``sync_interval``: the rules only ever compare them with 1, with each other and modulo
-the interval, so shifted states behave alike (a pause message can stay in flight for
-any number of dummy steps, and without the shift the search would never close).
+Step counters of a long-running wave (and the votes the ranks started in it) are
+shifted down by a multiple of ``sync_interval``: the rules only ever compare them with
+1 and 2, with each other and modulo the interval, so shifted states behave alike (a
+pause message can stay in flight for any number of dummy steps, and without the shift
+the search would never close).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ..rank import RankSnapshot, SyncDP
-from ..rank_loop import Collective, LoopSnapshot
+from ..rank import RankSnapshot
+from ..rank_loop import LoopSnapshot
 from .toy import ToyRank
 from .view import WorldView
 
@@ -21,8 +22,9 @@ def world_key(world: WorldView) -> tuple[object, ...]:
     toys = list(world.toys)
     interval = world.config.sync_interval
     counters = [machine.step_counter for machine, _ in loops if machine.running]
-    if counters and min(counters) > 2 * interval:
-        shift = ((min(counters) - interval - 1) // interval) * interval
+    # Open votes lie at most two vote points back: past the shift they stay above 2.
+    if counters and min(counters) > 3 * interval + 2:
+        shift = ((min(counters) - 2 * interval - 3) // interval) * interval
         loops, toys = _shifted(loops, toys, shift)
     return (
         tuple(loops),
@@ -44,10 +46,13 @@ def _shifted(
             machine = replace(machine, step_counter=machine.step_counter - shift)
             if toy.forwards_wave == machine.wave:
                 toy = replace(toy, forwards=toy.forwards - shift)
-            pending = loop.pending
-            if isinstance(pending, Collective) and isinstance(pending.action, SyncDP):
-                action = replace(pending.action, step_counter=pending.action.step_counter - shift)
-                loop = replace(loop, pending=Collective(action=action))
+            votes = tuple(
+                replace(vote, step_counter=vote.step_counter - shift)
+                if vote.wave == machine.wave
+                else vote
+                for vote in toy.votes
+            )
+            toy = replace(toy, votes=votes)
         shifted_loops.append((machine, loop))
         shifted_toys.append(toy)
     return shifted_loops, shifted_toys

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..rank import PauseMode
+from ..rank import PauseMode, StartVote
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,6 +32,11 @@ class ToyRank:
     # the step counter each rank brings to an all-reduce.
     forwards: int = 0
     forwards_wave: int = 0
+    # The votes this rank started that a member of its group may still read (rank rule
+    # 2), oldest first, and how many of them this rank read; the group's lists start at
+    # the same vote, so index i is one all-reduce.
+    votes: tuple[StartVote, ...] = ()
+    votes_read: int = 0
 
 
 def toy_step(

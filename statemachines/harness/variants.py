@@ -22,9 +22,9 @@ from ..rank import (
     Reconfigured,
     RequestArrived,
     ResumeBarrier,
+    StartVote,
     StartWave,
     StepDone,
-    SyncDP,
 )
 from ..scaling import ScalingMachine, ScalingSnapshot
 
@@ -100,11 +100,13 @@ class RepliesToPauseEarly(RankMachine):
         return new_state, (*actions, PauseComplete())
 
 
-class SyncsOnlyEveryInterval(RankMachine):
-    """Failure mode 9: no sync on step 1 of a wave, so a pause costs sync_interval forwards."""
+class VotesOnlyEveryOtherInterval(RankMachine):
+    """Failure mode 9: no vote on steps 1 and 2 of a wave, and one vote only every other
+    ``sync_interval`` steps (upstream synced every 32), so a pause costs more forwards
+    than rank rule 7 allows."""
 
-    def sync_due(self, step_counter: int) -> bool:
-        return step_counter % self.sync_interval == 0
+    def vote_due(self, step_counter: int) -> bool:
+        return step_counter % (2 * self.sync_interval) == 0
 
 
 class WaitsSilently(RankMachine):
@@ -134,13 +136,13 @@ class LoosensFrozenScheduler(RankMachine):
         )
 
 
-class HidesDrainingWork(RankMachine):
-    """Rank rule 6: a WAIT-pausing rank still draining reports no work, so the wave can
-    end under it with its pause pending, and its peers pause without it."""
+class VotesWhileDraining(RankMachine):
+    """Rank rule 6: a WAIT-pausing rank votes for the pause while its own requests still
+    run, so the consensus can freeze them half done."""
 
-    def sync_contribution(self, state: RankSnapshot, event: StepDone, counter: int) -> SyncDP:
-        contribution = super().sync_contribution(state, event, counter)
-        return replace(contribution, has_unfinished=event.has_unfinished)
+    def vote(self, state: RankSnapshot, event: StepDone, counter: int) -> StartVote:
+        contribution = super().vote(state, event, counter)
+        return replace(contribution, pending_pause=state.pause_state is PauseState.PENDING)
 
 
 class IdlesWithWaitPausePending(RankMachine):
@@ -190,12 +192,12 @@ VARIANTS: dict[str, Variant] = {
     "coordinator_latches": Variant(failure_mode=6, coordinator_class=LatchesRunningOnFirstRequest),
     "duplicate_resume_barrier": Variant(failure_mode=7, rank_class=BarrierOnDuplicateResume),
     "early_pause_reply": Variant(failure_mode=8, rank_class=RepliesToPauseEarly),
-    "no_step_one_sync": Variant(failure_mode=9, rank_class=SyncsOnlyEveryInterval),
+    "slow_votes": Variant(failure_mode=9, rank_class=VotesOnlyEveryOtherInterval),
     "silent_wait": Variant(failure_mode=10, rank_class=WaitsSilently),
     "equal_wave_no_wake": Variant(failure_mode=11, rank_class=IgnoresRequestForCurrentWave),
     # Rules of wavecore's own machines, not numbered in protocol.md.
     "repause_loosens_scheduler": Variant(failure_mode=None, rank_class=LoosensFrozenScheduler),
-    "draining_rank_hides_work": Variant(failure_mode=None, rank_class=HidesDrainingWork),
+    "draining_rank_votes": Variant(failure_mode=None, rank_class=VotesWhileDraining),
     "independent_wait_pause_idles": Variant(
         failure_mode=None, rank_class=IdlesWithWaitPausePending
     ),

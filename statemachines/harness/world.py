@@ -12,9 +12,12 @@ Theory of operation:
    may come next, so messages from different senders interleave arbitrarily and may
    stay in flight across pauses, barriers and group switches.
 3. A rank takes messages only at the top of an iteration (its loop waits for input or
-   for its next step). Dummy forwards and sleeps complete at once; a collective
-   completes the moment the last of its members enters it (the new group's members
-   for a group join, the current group's otherwise).
+   for its next step). Dummy forwards and sleeps complete at once; a blocking
+   collective completes the moment the last of its members enters it (the new group's
+   members for a group join, the current group's otherwise). A vote is the
+   non-blocking all-reduce: each rank starts it without waiting, and its result is
+   there for every member as soon as the last member started it, however many moves
+   later a rank reads it; every member reads the same result for the same vote.
 4. A scale is the ``ScalingMachine``'s script: the world performs its actions and
    feeds the machine when each part is done (new ranks ready at once; the drain done
    when no request of a leaving rank is left, or aborted by a drain timeout the
@@ -41,6 +44,8 @@ from ..coordinator import (
 )
 from ..errors import ProtocolError
 from ..rank import (
+    AwaitVote,
+    DrainVote,
     JoinGroup,
     NotifyStartWave,
     NotifyWaveComplete,
@@ -53,11 +58,11 @@ from ..rank import (
     ResumeRequested,
     ResumeSynced,
     SleepRequested,
+    StartVote,
     StartWave,
     StepDone,
     SwitchRequested,
     SyncDone,
-    SyncDP,
     WakeUpRequested,
 )
 from ..rank_loop import (
@@ -120,7 +125,7 @@ Move = tuple[object, ...]
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorldConfig:
     dp_size: int = 2
-    sync_interval: int = 2
+    sync_interval: int = 1
     lockstep: bool = True
     duplicate_wave_complete: bool = True
     rank_class: type[RankMachine] = RankMachine
@@ -238,6 +243,7 @@ class World:
             self._scale_move(move[0])  # type: ignore[arg-type]
         else:
             raise ValueError(f"unknown move {move!r}")
+        self._read_ready_votes()
         check_after_move(self, waves_before)
 
     def quiescent(self) -> bool:
@@ -314,6 +320,8 @@ class World:
             item = StartWave(wave=message[1], exclude_rank=message[2])  # type: ignore[arg-type]
         else:
             item = Call(call_id=message[1], request=message[2])  # type: ignore[arg-type]
+            if message[1] == self.client.awaited_call:
+                self._arrived(r)
         self._note(lambda: f"    rank {r} <- {item}")
         self.loops[r].deliver(item, _RankEffects(self, r))
         if kind == "add" and held_before and message[1] not in self.client.held:
@@ -356,7 +364,10 @@ class World:
         elif isinstance(pending, Wake):
             self._complete(r, None)
         elif isinstance(pending, Collective):
-            self._complete_collective(collective_members(self, pending.action))
+            if isinstance(pending.action, AwaitVote | DrainVote):
+                self._read_vote(r)
+            else:
+                self._complete_collective(collective_members(self, pending.action))
 
     def _forward(self, r: int) -> None:
         machine = self.loops[r].machine
@@ -370,7 +381,93 @@ class World:
         toy = self.toys[r]
         wave = machine.wave
         forwards = toy.forwards + 1 if toy.forwards_wave == wave else 1
+        deadline = self.client.pause_deadline
+        if deadline is not None and r in self.client.awaiting and (wave, forwards) > deadline:
+            raise Violation(
+                "slow_pause",
+                f"rank {r} runs step {forwards} of wave {wave}, but the pause that reached "
+                f"every rank must be done by step {deadline[1]} of wave {deadline[0]} "
+                "(rank rule 7)",
+            )
         self.toys[r] = replace(toy, forwards=forwards, forwards_wave=wave)
+
+    def _arrived(self, r: int) -> None:
+        """The awaited call reached rank ``r``. Once a KEEP or ABORT pause reached every
+        rank it waits for, the group's furthest step then plus ``2 * sync_interval`` is
+        its deadline (a rank behind it runs the steps it owes; a WAIT pause lets requests
+        finish first, for as long as they take)."""
+        client = replace(self.client, arrivals=self.client.arrivals | {r})
+        if (
+            client.awaited_mode in (PauseMode.KEEP, PauseMode.ABORT)
+            and client.awaiting <= client.arrivals
+            and client.pause_deadline is None
+        ):
+            wave = max(self.loops[q].machine.wave for q in client.awaiting)
+            step = max(
+                (
+                    self.toys[q].forwards
+                    for q in client.awaiting
+                    if self.toys[q].forwards_wave == wave
+                ),
+                default=0,
+            )
+            deadline = (wave, step + 2 * self.config.sync_interval)
+            client = replace(client, pause_deadline=deadline)
+        self.client = client
+
+    # -- votes (the non-blocking all-reduce) ---------------------------------------------------
+
+    def start_vote(self, r: int, vote: StartVote) -> None:
+        toy = self.toys[r]
+        forwards = toy.forwards if toy.forwards_wave == vote.wave else 0
+        if forwards != vote.step_counter:
+            raise Violation(
+                "lockstep",
+                f"rank {r} votes at step {vote.step_counter} of wave {vote.wave} after "
+                f"{forwards} forwards in it",
+            )
+        self.toys[r] = replace(toy, votes=(*toy.votes, vote))
+
+    def _read_ready_votes(self) -> None:
+        """Every rank waiting for a vote that every member started reads it now."""
+        progress = True
+        while progress:
+            progress = False
+            for r, loop in enumerate(self.loops):
+                pending = loop.pending
+                if isinstance(pending, Collective) and isinstance(
+                    pending.action, AwaitVote | DrainVote
+                ):
+                    progress |= self._read_vote(r)
+
+    def _read_vote(self, r: int) -> bool:
+        """Rank ``r`` reads its oldest unread vote if every member started it."""
+        index = self.toys[r].votes_read
+        members = self.group
+        if any(len(self.toys[q].votes) <= index for q in members):
+            return False
+        ballots = [self.toys[q].votes[index] for q in members]
+        waves = {b.wave for b in ballots}
+        steps = {b.step_counter for b in ballots}
+        if len(waves) > 1 or len(steps) > 1:
+            raise Violation("lockstep", f"a vote met waves {waves} and step counters {steps}")
+        result = SyncDone(
+            any_unfinished=any(b.has_unfinished for b in ballots),
+            pausing_ranks=sum(b.pending_pause for b in ballots),
+            wave_span=(min(waves), max(waves)),
+            step_counter_span=(min(steps), max(steps)),
+        )
+        self.toys[r] = replace(self.toys[r], votes_read=index + 1)
+        read = min(self.toys[q].votes_read for q in members)
+        if read:  # every member read these: forget them
+            for q in members:
+                toy = self.toys[q]
+                self.toys[q] = replace(
+                    toy, votes=toy.votes[read:], votes_read=toy.votes_read - read
+                )
+        self._note(f"rank {r} reads vote {index}: {result}")
+        self._complete(r, result)
+        return True
 
     def _complete_collective(self, members: range) -> None:
         if len(self.loops) < len(members):
@@ -381,12 +478,16 @@ class World:
         actions = [p.action for p in pendings]  # type: ignore[union-attr]
         if len({type(a) for a in actions}) != 1:
             return  # the invariants report the mismatch
+        unread = [r for r in members if self.toys[r].votes[self.toys[r].votes_read :]]
+        if unread:
+            # In gloo the collective would pair with the open vote: nonsense, or a hang.
+            raise Violation(
+                "collective_order", f"ranks {unread} enter a collective with a vote unread"
+            )
         first = actions[0]
-        if isinstance(first, SyncDP):
-            results: list[object] = [self._sync_result(members, actions)] * len(members)  # type: ignore[arg-type]
-        elif isinstance(first, ResumeBarrier):
+        if isinstance(first, ResumeBarrier):
             synced = ResumeSynced(any_unfinished=any(a.has_unfinished for a in actions))  # type: ignore[union-attr]
-            results = [synced] * len(members)
+            results: list[object] = [synced] * len(members)
         else:
             results = self._join_results(members, actions)  # type: ignore[arg-type]
         self._note(f"collective {type(first).__name__} of ranks {list(members)} completes")
@@ -403,26 +504,6 @@ class World:
             step_counter=max(a.step_counter for a in actions),
         )
         return [replace(merged, rank=r) for r in members]
-
-    def _sync_result(self, members: range, contributions: list[SyncDP]) -> SyncDone:
-        waves = {c.wave for c in contributions}
-        steps = {c.step_counter for c in contributions}
-        if len(waves) > 1 or len(steps) > 1:
-            raise Violation("lockstep", f"all-reduce met waves {waves} and step counters {steps}")
-        for r, c in zip(members, contributions, strict=True):
-            toy = self.toys[r]
-            forwards = toy.forwards if toy.forwards_wave == c.wave else 0
-            if forwards != c.step_counter:
-                raise Violation(
-                    "lockstep",
-                    f"rank {r} ran {forwards} forwards in wave {c.wave} but is at step {c.step_counter}",
-                )
-        return SyncDone(
-            any_unfinished=any(c.has_unfinished for c in contributions),
-            pausing_ranks=sum(c.pending_pause for c in contributions),
-            wave_span=(min(waves), max(waves)),
-            step_counter_span=(min(steps), max(steps)),
-        )
 
     # -- the client -------------------------------------------------------------------------
 
@@ -481,7 +562,12 @@ class World:
         if awaited:
             mode = getattr(request, "mode", None)
             self.client = replace(
-                self.client, awaited_call=call_id, awaiting=frozenset(ranks), awaited_mode=mode
+                self.client,
+                awaited_call=call_id,
+                awaiting=frozenset(ranks),
+                awaited_mode=mode,
+                arrivals=frozenset(),
+                pause_deadline=None,
             )
 
     def answered(self, r: int, call_id: int, error: str | None) -> None:
@@ -497,7 +583,13 @@ class World:
             return
         # A pause, a sleep, or a scale's pause or switch: every rank answered.
         self.client = replace(
-            client, awaiting=awaiting, awaited_call=None, awaited_mode=None, paused=True
+            client,
+            awaiting=awaiting,
+            awaited_call=None,
+            awaited_mode=None,
+            arrivals=frozenset(),
+            pause_deadline=None,
+            paused=True,
         )
 
     # -- scaling ------------------------------------------------------------------------------
@@ -624,6 +716,9 @@ class _RankEffects:
 
     def reset_prefix_cache(self) -> None:
         pass
+
+    def start_vote(self, vote: StartVote) -> None:
+        self.world.start_vote(self.r, vote)
 
     def notify_coordinator(self, message: NotifyStartWave | NotifyWaveComplete) -> None:
         network = self.world.network

@@ -53,6 +53,9 @@ def test_dp_benchmark_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
         (2, "lockstep"),
     }
     assert all(row["tokens"] == result["requests"] * result["max_tokens"] for row in result["rows"])
+    for row in result["rows"]:
+        assert {f"pause_forwards_{mode}" for mode in ("abort", "wait", "keep")} <= row.keys()
+    assert result["machine"]["cpu"]
     assert output.with_suffix(".png").stat().st_size > 0
 
 

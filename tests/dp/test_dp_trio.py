@@ -49,12 +49,12 @@ async def test_generate_pause_resume_over_tcp_on_trio(dp_mode: str) -> None:
             stats = await engine.stats()
     for prompt in prompts:
         assert tokens_of(results[prompt]) == expected_tokens(prompt, 8)
-    syncs = sum(report.counters.syncs for report in stats.ranks)
+    votes = sum(report.counters.votes for report in stats.ranks)
     dummies = sum(report.counters.dummy_steps for report in stats.ranks)
     if dp_mode == "independent":
-        assert (syncs, dummies) == (0, 0)
+        assert (votes, dummies) == (0, 0)
     else:
-        assert syncs > 0
+        assert votes > 0
 
 
 async def test_rank_death_and_cancellation_on_trio() -> None:

@@ -37,13 +37,21 @@ def _in_two_ranks(calls: list[Any]) -> list[Any]:
     return results
 
 
-def test_sync_reduces_work_votes_and_spans() -> None:
-    def sync(rank: int) -> Any:
-        return lambda group: group.sync(
-            has_unfinished=rank == 1, pending_pause=rank == 0, wave=3, step_counter=4 + rank
-        )
+def test_a_vote_reduces_work_pauses_and_spans_in_the_background() -> None:
+    def vote(rank: int) -> Any:
+        def run(group: DPGroup) -> Any:
+            group.start_vote(has_unfinished=False, pending_pause=True, wave=3, step_counter=3)
+            # Returns at once: a second vote is started before the first is read.
+            group.start_vote(
+                has_unfinished=rank == 1, pending_pause=rank == 0, wave=3, step_counter=4 + rank
+            )
+            first = group.await_vote()
+            assert first.pausing_ranks == 2 and not first.any_unfinished
+            return group.await_vote()
 
-    first, second = _in_two_ranks([sync(0), sync(1)])
+        return run
+
+    first, second = _in_two_ranks([vote(0), vote(1)])
     assert first == second
     assert first.any_unfinished is True
     assert first.pausing_ranks == 1
@@ -54,7 +62,8 @@ def test_sync_reduces_work_votes_and_spans() -> None:
 def test_drift_becomes_a_lockstep_drift_error_naming_the_counters() -> None:
     machine = RankMachine(0, 2, sync_interval=4)
     machine.handle(RequestArrived(request_id="r", wave=0))
-    machine.handle(StepDone(executed=True, has_unfinished=True))  # step 1: a sync
+    machine.handle(StepDone(executed=True, has_unfinished=True))  # step 1: vote 1
+    machine.handle(StepDone(executed=True, has_unfinished=True))  # step 2: read vote 1
     with pytest.raises(LockstepDriftError, match=r"step_counter 1 here, 1\.\.2"):
         machine.handle(
             SyncDone(
@@ -63,14 +72,15 @@ def test_drift_becomes_a_lockstep_drift_error_naming_the_counters() -> None:
         )
 
 
-def test_a_sync_meeting_a_barrier_is_detected() -> None:
-    def sync(group: DPGroup) -> Any:
-        return group.sync(has_unfinished=False, pending_pause=False, wave=0, step_counter=1)
+def test_a_vote_meeting_a_barrier_is_detected() -> None:
+    def vote(group: DPGroup) -> Any:
+        group.start_vote(has_unfinished=False, pending_pause=False, wave=0, step_counter=1)
+        return group.await_vote()
 
     def barrier(group: DPGroup) -> Any:
         return group.barrier(has_unfinished=False)
 
-    results = _in_two_ranks([sync, barrier])
+    results = _in_two_ranks([vote, barrier])
     assert all(isinstance(result, CollectiveMismatchError) for result in results)
 
 

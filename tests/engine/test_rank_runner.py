@@ -5,6 +5,7 @@ machine's step counter, and an abort that arrives while a step runs wins over it
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,25 +20,33 @@ from wavecore.engine import messages as m
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.core.model_thread import ModelThread
 from wavecore.engine.core.rank_runner import RankRunner, Shutdown
+from wavecore.engine.dp.collective import SyncResult
 from wavecore.engine.sampling_params import SamplingParams
-from wavecore.statemachines import RankMachine, SyncDone
+from wavecore.statemachines import RankMachine
 
 pytestmark = pytest.mark.anyio
 HANG_GUARD = 30
 
 
 class OneRankGroup:
-    """The all-reduce of a group of one: every result is this rank's own."""
+    """The all-reduce of a group of one: every vote's result is this rank's own."""
 
-    def sync(
+    def __init__(self) -> None:
+        self._votes: deque[SyncResult] = deque()
+
+    def start_vote(
         self, *, has_unfinished: bool, pending_pause: bool, wave: int, step_counter: int
-    ) -> SyncDone:
-        return SyncDone(
+    ) -> None:
+        result = SyncResult(
             any_unfinished=has_unfinished,
             pausing_ranks=int(pending_pause),
             wave_span=(wave, wave),
             step_counter_span=(step_counter, step_counter),
         )
+        self._votes.append(result)
+
+    def await_vote(self) -> SyncResult:
+        return self._votes.popleft()
 
     def barrier(self, *, has_unfinished: bool) -> bool:
         return has_unfinished

@@ -1,4 +1,8 @@
-"""The exhaustive explorer at dp 2 and 3, and its command line."""
+"""The exhaustive explorer at dp 2 and 3, and its command line.
+
+The configurations whose state spaces are large (a request with a pause or a sleep,
+a request during a scale) run here at a smaller depth than `make check-protocol`
+uses; test_regressions runs each broken variant at the command line's depth."""
 
 from __future__ import annotations
 
@@ -7,12 +11,17 @@ import pytest
 from wavecore.statemachines.harness.explore import default_configs, explore
 from wavecore.statemachines.sim import main
 
+LARGE = ("request-and-pause", "sleep-keep-wake")
 
+
+@pytest.mark.parametrize("sync_interval", [1, 2, 3])
 @pytest.mark.parametrize("dp_size", [2, 3])
-def test_every_interleaving_of_the_small_configurations_holds(dp_size: int) -> None:
-    for name, config in default_configs(dp_size):
-        if name == "request-and-pause" or name.startswith("scale"):
-            continue  # the command-line test below and test_regressions cover these
+def test_every_interleaving_of_the_small_configurations_holds(
+    dp_size: int, sync_interval: int
+) -> None:
+    for name, config in default_configs(dp_size, sync_interval):
+        if name in LARGE or name.startswith("scale"):
+            continue  # the command-line tests below and test_regressions cover these
         result = explore(config, 40)
         assert result.violation is None, result.violation.report() if result.violation else ""
         assert result.states > 50, f"{name} explored suspiciously little"
@@ -21,8 +30,26 @@ def test_every_interleaving_of_the_small_configurations_holds(dp_size: int) -> N
 def test_command_line_reports_no_violation_and_exit_zero(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["--dp", "2", "--depth", "40"]) == 0
-    assert "no violation" in capsys.readouterr().out
+    assert main(["--dp", "2", "--depth", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "no violation" in out
+    for name in LARGE:
+        assert f"{name}: dp=2 depth=20 states explored" in out
+
+
+def test_command_line_explores_only_the_scenarios_named(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--dp", "3", "--depth", "40", "--scenario", "pause-resume"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("pause-resume: dp=3 depth=")
+    assert len(lines) == 2
+
+
+def test_command_line_refuses_an_unknown_scenario(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--dp", "3", "--scenario", "request-and-pause"])
+    assert "unknown scenario request-and-pause at dp 3" in capsys.readouterr().err
 
 
 def test_command_line_shows_the_trace_of_a_broken_rule(capsys: pytest.CaptureFixture[str]) -> None:

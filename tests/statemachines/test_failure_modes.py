@@ -19,6 +19,7 @@ from wavecore.statemachines import (
     ScalingMachine,
 )
 from wavecore.statemachines.harness.explore import ExploreConfig, explore
+from wavecore.statemachines.harness.invariants import Violation
 from wavecore.statemachines.harness.world import RequestSpec, WorldConfig
 from wavecore.statemachines.scaling import ScalingSnapshot
 from wavecore.statemachines.sim import Simulation
@@ -102,13 +103,20 @@ def test_pause_completes_only_after_the_last_forward() -> None:
     )
 
 
-@pytest.mark.parametrize(("variant", "expected"), [(None, 1), ("no_step_one_sync", 4)])
-def test_pause_of_an_idle_engine_costs_one_forward(variant: str | None, expected: int) -> None:
-    sim = Simulation(2, seed=7, sync_interval=4, variant=variant)
+def test_pause_of_an_idle_engine_costs_two_forwards() -> None:
+    sim = Simulation(2, seed=7)
     sim.pause(PauseMode.KEEP)
     sim.run()
     assert sim.world.client.paused
-    assert [toy.forwards for toy in sim.world.toys] == [expected, expected]
+    assert [toy.forwards for toy in sim.world.toys] == [2, 2]
+    slow = Simulation(2, seed=7, variant="slow_votes")
+    slow.pause(PauseMode.KEEP)
+    with pytest.raises(Violation, match="slow_pause"):
+        slow.run()
+
+
+def test_a_pause_that_reached_every_rank_is_done_within_two_forwards() -> None:
+    _assert_guarded(_config(script=(PAUSE_KEEP,)), "slow_votes", {"slow_pause"})
 
 
 def test_request_during_sleep_waits_visibly() -> None:

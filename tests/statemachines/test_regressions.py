@@ -173,13 +173,13 @@ def test_a_pause_while_paused_does_not_loosen_the_frozen_scheduler() -> None:
     _assert_guarded(config, "repause_loosens_scheduler", rules, depth=14)
 
 
-def test_a_draining_wait_pause_rank_is_not_left_pausing_alone() -> None:
+def test_a_draining_wait_pause_rank_does_not_vote_for_the_pause() -> None:
     config = ExploreConfig(
         world=_NO_DUPLICATES,
-        requests=(RequestSpec(rank=1, steps=2),),
+        requests=(RequestSpec(rank=1, steps=4),),
         script=(("pause", PauseMode.WAIT),),
     )
-    _assert_guarded(config, "draining_rank_hides_work", {"deadlock"}, depth=16)
+    _assert_guarded(config, "draining_rank_votes", {"call_contract"}, depth=12)
 
 
 def test_an_independent_rank_answers_a_wait_pause_after_its_last_request() -> None:

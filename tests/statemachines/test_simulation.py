@@ -1,5 +1,6 @@
-"""Random interleavings: hypothesis drives a Simulation with submits, deliveries,
-pauses in every mode, resumes (duplicates included), sleeps and scaling."""
+"""Random interleavings: hypothesis drives a Simulation (dp 2 or 3, a vote every 1, 2
+or 3 steps) with submits, deliveries, pauses in every mode (a pause of one mode while
+another holds included), resumes (duplicates included), sleeps and scaling."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ class DeploymentRules(RuleBasedStateMachine):
         super().__init__()
         self.sim = Simulation(2, seed=0, sync_interval=3)
 
-    @rule(seed=st.integers(0, 2**16), dp_size=st.sampled_from([2, 3]))
+    @rule(
+        seed=st.integers(0, 2**16),
+        dp_size=st.sampled_from([2, 3]),
+        sync_interval=st.sampled_from([1, 2, 3]),
+    )
     @precondition(lambda self: self.sim.moves == 0 and self.sim.world.client.submitted == 0)
-    def restart(self, seed: int, dp_size: int) -> None:
-        self.sim = Simulation(dp_size, seed=seed, sync_interval=3)
+    def restart(self, seed: int, dp_size: int, sync_interval: int) -> None:
+        self.sim = Simulation(dp_size, seed=seed, sync_interval=sync_interval)
 
     @rule(steps=st.integers(1, 4), stalls=st.integers(0, 1))
     def submit(self, steps: int, stalls: int) -> None:

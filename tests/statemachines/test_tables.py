@@ -192,10 +192,11 @@ def test_scaling_every_state_and_event(phase: ScalePhase, old: int, new: int) ->
         assert machine.phase in transition.targets
 
 
-def test_a_sync_with_drift_fails_loudly() -> None:
+def test_a_vote_with_drift_fails_loudly() -> None:
     machine = RankMachine(0, 2, sync_interval=4)
     machine.handle(RequestArrived(request_id="r", wave=0))
-    machine.handle(StepDone(executed=True, has_unfinished=True))
+    machine.handle(StepDone(executed=True, has_unfinished=True))  # starts vote 1
+    machine.handle(StepDone(executed=True, has_unfinished=True))  # starts 2, awaits 1
     before = machine.snapshot()
     with pytest.raises(ProtocolError, match=r"step_counter 1 here, 1\.\.3"):
         machine.handle(SyncDone(any_unfinished=True, pausing_ranks=0, step_counter_span=(1, 3)))
