@@ -61,3 +61,22 @@ class ScalingRefusedError(EngineError):
 
 class RankCallError(EngineError):
     """A call was refused by one or more ranks; the message names them and why."""
+
+
+class WeightUpdateRefusedError(EngineError):
+    """`update_weights` was called while the engine serves (or its weights are asleep):
+    pause it, or wake the weights, first. Nothing changed."""
+
+
+class WeightUpdateInProgressError(EngineError):
+    """Resume, sleep or wake_up arrived while `update_weights` is still running."""
+
+
+class WeightUpdateError(EngineError, ValueError):
+    """New weights were refused (a missing, extra or misshapen tensor, an unreadable
+    file, a failing rank); the message names it. Every rank kept its old weights."""
+
+
+class CollectiveRpcError(EngineError):
+    """`collective_rpc` failed: an unregistered method, bad arguments, or a rank that
+    raised or did not answer in time; the message names the rank."""

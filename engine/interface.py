@@ -8,9 +8,10 @@ entry per rank.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from wavecore.engine.outputs import CompletionDelta
 from wavecore.engine.request import Prompt
@@ -146,3 +147,40 @@ class Engine(Protocol):
     async def scale(self, new_dp_size: int, *, drain_timeout: float | None = None) -> None:
         """Change the number of DP ranks while serving (refused by a one-rank engine
         in this process: it has no ranks to add or remove)."""
+
+    @property
+    def weight_version(self) -> str | None:
+        """The version of the weights every rank serves (None: as loaded)."""
+        ...
+
+    async def update_weights(
+        self,
+        source: str | os.PathLike[str] | Mapping[str, Any],
+        *,
+        version: str | None = None,
+        partial: bool = False,
+    ) -> None:
+        """Serve new weights: a safetensors file, a directory of them, a GGUF file, or a
+        mapping of (canonical or Hugging Face) names to `torch.Tensor`s. Only while
+        paused, or asleep with the weights awake (`WeightUpdateRefusedError`). All or
+        nothing: every rank checks names, shapes and dtypes and builds the new weights
+        before any rank switches; a failure (`WeightUpdateError`, naming the rank and
+        the tensor or file) leaves every rank its old weights. `partial` allows a
+        subset of the tensors. The prefix cache is reset; requests kept across the
+        update are recomputed with the new weights from their next token."""
+
+    async def set_weight_version(self, version: str | None) -> None:
+        """Relabel the weights served now (reported by `stats()` and every delta)."""
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (the upstream API's name for it)
+    ) -> list[Any]:
+        """Call the executor method `method` that each rank's executor marks
+        `@remote_callable`, with plain-data arguments; the results in rank order.
+        `CollectiveRpcError` names an unknown method, a failing rank or one that did not
+        answer within `timeout` seconds."""
+        ...

@@ -26,7 +26,9 @@ class CompletionDelta:
 
     `text` is valid UTF-8 text that will never be taken back (a possible start of a
     stop string is held until it is ruled out). `finish_reason` is set on the last
-    delta only: "stop", "length" or "abort".
+    delta only: "stop", "length" or "abort". `weight_version` names the weights that
+    produced `token_ids` (set by `update_weights` / `set_weight_version`; None for the
+    weights the engine loaded); a delta never mixes tokens of two versions.
     """
 
     request_id: str
@@ -35,6 +37,7 @@ class CompletionDelta:
     finish_reason: str | None
     usage: Usage
     logprobs: tuple[TokenLogprob, ...] = ()
+    weight_version: str | None = None
 
     @property
     def finished(self) -> bool:

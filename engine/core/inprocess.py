@@ -78,6 +78,10 @@ class InProcessClient:
     def has_coordinator(self) -> bool:
         return False
 
+    @property
+    def max_chunk_bytes(self) -> int | None:
+        return None  # objects on a memory stream: a tensor travels whole, uncopied
+
     def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
         """The rank reports its own failure (`RankFailed`); nothing else can die here."""
 

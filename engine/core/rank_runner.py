@@ -36,9 +36,11 @@ from wavecore.engine import messages as m
 from wavecore.engine.core.core_effects import COUNTERS, CoreEffects
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.core.model_thread import ModelThread
+from wavecore.engine.core.rank_calls import RankCalls
 from wavecore.engine.core.rank_inputs import BadCall, loop_input_of
 from wavecore.engine.executors.batch import EXECUTOR_TAGS
 from wavecore.engine.interface import RankCounters, RankStats
+from wavecore.engine.weight_messages import RANK_CALLS
 from wavecore.statemachines import (
     AwaitVote,
     Call,
@@ -122,6 +124,8 @@ class RankRunner:
         self._last_load: tuple[int, int, float] | None = None
         # A switch's group prefix, kept from its message until the collective runs.
         self._switch_prefix = ""
+        # Weight updates and collective RPC, answered outside the machine.
+        self._calls = RankCalls(core, self.rank, model_thread, self.loop.machine.snapshot)
 
     # -- the loop --------------------------------------------------------------------
 
@@ -153,6 +157,9 @@ class RankRunner:
                     item = await inbox.receive()
                 if isinstance(item, Shutdown):
                     return
+                if isinstance(item, RANK_CALLS):
+                    await self._answer(item)
+                    continue
                 if item is not None:
                     self._deliver(item)
                     continue
@@ -297,6 +304,12 @@ class RankRunner:
         elif isinstance(loop_input, Call) and isinstance(loop_input.request, PauseRequested):
             self._effects.pause_started(loop_input.call_id)
         return loop_input
+
+    async def _answer(self, item: Any) -> None:
+        reply = await self._calls.handle(item)
+        if reply is not None:
+            await self._flush()  # what this rank produced before the call goes first
+            await self._outputs.send(reply)
 
     # -- outputs -----------------------------------------------------------------------
 

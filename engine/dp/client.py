@@ -33,8 +33,12 @@ from wavecore.engine.dp.scaler import Scaler
 from wavecore.engine.errors import EngineDeadError
 from wavecore.engine.frontend.core_client import ScaleHost
 from wavecore.engine.request import PromptTokenizer
+from wavecore.engine.weight_messages import RankReply
 
-_OUTPUTS = (m.StepOutputs, m.UtilityResult, m.RequestsHeld, m.RankFailed)
+_OUTPUTS = (m.StepOutputs, m.UtilityResult, m.RequestsHeld, m.RankFailed, RankReply)
+# Weight chunks stay well below the channels' 64 MiB frame limit, and the time one
+# chunk holds a channel stays short.
+_MAX_CHUNK_BYTES = 16 * 2**20
 
 
 class DPClient:
@@ -67,6 +71,10 @@ class DPClient:
     @property
     def has_coordinator(self) -> bool:
         return True
+
+    @property
+    def max_chunk_bytes(self) -> int | None:
+        return _MAX_CHUNK_BYTES
 
     def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
         self._on_death = callback

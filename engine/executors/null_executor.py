@@ -5,6 +5,10 @@ token sampled after a chunk depends only on the chunk's last token and the posit
 of the new token, `next = (last * 1000003 + position * 7919 + 1) % vocab_size`
 (moved one up if it hits `eos_token_id`), so a request's output does not depend on
 its batch, its chunking or any preemption, and tests can recompute it.
+
+Its one "weight" is `token_shift`, a float32 tensor of shape (1,) holding a whole
+number (0 at start) added to every sampled token before the modulo: enough for
+`update_weights` to change what it outputs, and for tests to see which weights serve.
 EOS is emitted only when asked: with `eos_at_output=k`, every request's k-th output
 token (0-based) is `eos_token_id`.
 
@@ -20,8 +24,14 @@ weights or the KV cache are asleep raises `ExecutorAsleepError`, and anything af
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from wavecore.engine.errors import WeightUpdateError, WeightUpdateRefusedError
 from wavecore.engine.executors.batch import EXECUTOR_TAGS, ModelBatch, ModelOutput, SequenceChunk
 from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosedError
+from wavecore.engine.executors.rpc import remote_callable
+from wavecore.engine.executors.weight_specs import check_update
 from wavecore.engine.scheduler.fast_build import build_sampled
 
 
@@ -34,9 +44,9 @@ def _check_int(name: str, value: object, *, low: int) -> None:
         raise ValueError(f"NullExecutor {name} must be an int >= {low}, got {value!r}")
 
 
-def null_next_token(last_token: int, position: int, vocab_size: int) -> int:
+def null_next_token(last_token: int, position: int, vocab_size: int, token_shift: int = 0) -> int:
     """The token the NullExecutor samples at `position` after `last_token`, before EOS rules."""
-    return (last_token * 1000003 + position * 7919 + 1) % vocab_size
+    return (last_token * 1000003 + position * 7919 + 1 + token_shift) % vocab_size
 
 
 def _past_eos(token: int, vocab_size: int, eos_token_id: int | None) -> int:
@@ -44,13 +54,18 @@ def _past_eos(token: int, vocab_size: int, eos_token_id: int | None) -> int:
 
 
 def null_continuation(
-    prompt_token_ids: list[int], count: int, *, vocab_size: int, eos_token_id: int | None
+    prompt_token_ids: list[int],
+    count: int,
+    *,
+    vocab_size: int,
+    eos_token_id: int | None,
+    token_shift: int = 0,
 ) -> list[int]:
     """The first `count` tokens a NullExecutor (without `eos_at_output`) outputs after
     this prompt: what tests and benchmarks compare the engine's output with."""
     tokens = list(prompt_token_ids)
     for _ in range(count):
-        token = null_next_token(tokens[-1], len(tokens), vocab_size)
+        token = null_next_token(tokens[-1], len(tokens), vocab_size, token_shift)
         tokens.append(_past_eos(token, vocab_size, eos_token_id))
     return tokens[len(prompt_token_ids) :]
 
@@ -93,6 +108,7 @@ class NullExecutor:
         self.track_kv = track_kv
         self._weights_awake = True
         self._kv_awake = True
+        self._token_shift = 0
         self._closed = False
         self._kv: list[list[int | None]] = self._empty_kv()
         self.num_steps = 0
@@ -120,7 +136,9 @@ class NullExecutor:
         if self.eos_at_output is not None and chunk.num_output_tokens == self.eos_at_output:
             return self.eos_token_id  # type: ignore[return-value]
         token_ids = chunk.token_ids
-        token = null_next_token(token_ids[-1], chunk.start_pos + len(token_ids), self.vocab_size)
+        token = null_next_token(
+            token_ids[-1], chunk.start_pos + len(token_ids), self.vocab_size, self._token_shift
+        )
         return _past_eos(token, self.vocab_size, self.eos_token_id)
 
     def execute(self, batch: ModelBatch) -> ModelOutput:
@@ -128,6 +146,7 @@ class NullExecutor:
         block_size = self._block_size
         vocab_size = self.vocab_size
         eos = self.eos_token_id
+        shift = self._token_shift + 1
         plain = self.eos_at_output is None
         track_kv = self.track_kv
         sampled = []
@@ -146,7 +165,7 @@ class NullExecutor:
                 self._check_and_write_kv(chunk)
             if chunk.sample:
                 if plain:
-                    token = (token_ids[-1] * 1000003 + position * 7919 + 1) % vocab_size
+                    token = (token_ids[-1] * 1000003 + position * 7919 + shift) % vocab_size
                     if token == eos:
                         token = (token + 1) % vocab_size
                 else:
@@ -169,6 +188,9 @@ class NullExecutor:
         self._weights_awake = False
         self._kv_awake = False
         self._kv = []
+        if level == 2:
+            # The weights are dropped: waking reloads them as loaded, like the model's.
+            self._token_shift = 0
 
     def wake_up(self, tags: frozenset[str]) -> None:
         self._check_open("wake_up")
@@ -191,6 +213,29 @@ class NullExecutor:
     def close(self) -> None:
         self._closed = True
         self._kv = []
+
+    # -- weight updates (`executors.weight_specs.UpdatableExecutor`) ---------------------
+
+    @remote_callable
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"token_shift": (1,)}
+
+    def stage_weights(self, tensors: Mapping[str, Any], *, partial: bool, origin: str) -> int:
+        self._check_open("stage_weights")
+        if not self._weights_awake:
+            raise WeightUpdateRefusedError(
+                "the weights are asleep: call wake_up(['weights']) before update_weights"
+            )
+        check_update(tensors, self.weight_shapes(), partial=partial, origin=origin)
+        value = float(tensors["token_shift"][0])
+        if not value.is_integer():
+            raise WeightUpdateError(f"{origin}: tensor 'token_shift' must hold a whole number")
+        return int(value)
+
+    def commit_weights(self, staged: object) -> None:
+        if not isinstance(staged, int):
+            raise TypeError(f"commit_weights takes what stage_weights built, got {staged!r}")
+        self._token_shift = staged
 
     def _empty_kv(self) -> list[list[int | None]]:
         if not self.track_kv:

@@ -36,6 +36,12 @@ class CoreClient(Protocol):
         are the view)."""
         ...
 
+    @property
+    def max_chunk_bytes(self) -> int | None:
+        """The largest piece of a tensor one message may carry (None: no limit, the
+        message is not encoded)."""
+        ...
+
     def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Report the death of a rank (or of what carries its messages) to ``callback``."""
 

@@ -26,9 +26,10 @@ Theory of operation:
 from __future__ import annotations
 
 import itertools
+import os
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,17 +48,21 @@ from wavecore.engine.errors import (
     ScalingInProgressError,
     ScalingRefusedError,
     UnknownRequestError,
+    WeightUpdateInProgressError,
+    WeightUpdateRefusedError,
 )
 from wavecore.engine.executors.batch import SampledToken
 from wavecore.engine.frontend.core_client import CoreClient
 from wavecore.engine.frontend.input_processor import InputProcessor
 from wavecore.engine.frontend.load_balancer import LoadBalancer
 from wavecore.engine.frontend.request_stream import RequestStream
+from wavecore.engine.frontend.weight_calls import WeightCalls
 from wavecore.engine.interface import EngineStats, PauseModeName, RankStats
 from wavecore.engine.outputs import CompletionDelta
 from wavecore.engine.request import Prompt
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.scheduler import RequestUpdate
+from wavecore.engine.weight_messages import RankReply
 from wavecore.statemachines import SLEEP_TAGS, FinishReason, PauseMode, sleep_tags
 
 _request_numbers = itertools.count()
@@ -133,8 +138,16 @@ class FrontEnd:
         self._paused = False
         self._asleep: frozenset[str] = frozenset()
         self._scaling = False
+        # A level-2 sleep dropped the weights: they come back from the model file.
+        self._weights_dropped = False
         self._dead: EngineDeadError | None = None
         self._closed = False
+        self._weights = WeightCalls(
+            send=self._send,
+            call_ids=self._call_ids,
+            max_chunk_bytes=core.max_chunk_bytes,
+            check_open=self._check_open,
+        )
 
     @property
     def dp_size(self) -> int:
@@ -193,8 +206,11 @@ class FrontEnd:
             )
             if self._core.lockstep and not self._engines_running:
                 await self._core.send_coordinator(m.FirstRequest(rank=rank, wave=wave))
-            async for delta in stream.deltas():
-                yield delta
+            # Closed here, not by the garbage collector (trio warns of the latter) when
+            # the caller leaves early.
+            async with aclosing(stream.deltas()) as deltas:
+                async for delta in deltas:
+                    yield delta
         finally:
             if not stream.finished:
                 self._forget(request_id)
@@ -235,6 +251,7 @@ class FrontEnd:
     async def resume(self) -> None:
         self._check_open()
         self._check_not_scaling("resume")
+        self._check_not_updating("resume")
         if self._pausing is not None or self._sleeping:
             raise PauseInProgressError(self._in_progress())
         if self._asleep:
@@ -250,6 +267,7 @@ class FrontEnd:
         level = sleep_level(level)
         mode = pause_mode(mode)
         self._check_not_scaling("sleep")
+        self._check_not_updating("sleep")
         if self._sleeping or self._pausing is not None:
             raise PauseInProgressError(self._in_progress())
         self._sleeping = True
@@ -261,13 +279,20 @@ class FrontEnd:
             self._sleeping = False
         self._paused = True
         self._asleep |= sleep_tags(level)
+        self._weights_dropped |= level == 2
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         self._check_open()
         wanted = wake_tags(tags)
         self._check_not_scaling("wake_up")
+        self._check_not_updating("wake_up")
         if self._sleeping:
             raise PauseInProgressError(self._in_progress())
+        if self._weights_dropped and "weights" in wanted:
+            # Relabelled while nothing runs, so no token of the reloaded weights can
+            # carry the version of the weights that were dropped.
+            await self._weights.reloaded(range(self._dp_size))
+            self._weights_dropped = False
         await self._call_all(lambda cid: _utility(cid, "wake_up", wake_tags=tuple(sorted(wanted))))
         was_asleep, self._asleep = self._asleep, self._asleep - wanted
         if was_asleep and not self._asleep:
@@ -302,6 +327,67 @@ class FrontEnd:
             requests_per_rank=tuple(self._requests_per_rank),
         )
 
+    # -- weights ---------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> str | None:
+        return self._weights.version
+
+    async def update_weights(
+        self,
+        source: str | os.PathLike[str] | Mapping[str, Any],
+        *,
+        version: str | None = None,
+        partial: bool = False,
+    ) -> None:
+        """See `interface.Engine.update_weights`; the two phases are `WeightCalls`'."""
+        self._check_open()
+        _check_version(version)
+        if not isinstance(partial, bool):
+            raise InvalidRequestError(f"partial must be a bool, got {partial!r}")
+        self._check_not_scaling("update_weights")
+        if self._sleeping or self._pausing is not None:
+            raise PauseInProgressError(self._in_progress())
+        if not self._paused:
+            raise WeightUpdateRefusedError(
+                "the engine is serving: call pause('keep') or pause('abort') "
+                "(or sleep, then wake_up(['weights'])) before update_weights"
+            )
+        if "weights" in self._asleep:
+            raise WeightUpdateRefusedError(
+                "the weights are asleep: call wake_up(['weights']) before update_weights"
+            )
+        await self._weights.update_weights(
+            range(self._dp_size), source, version=version, partial=partial
+        )
+
+    async def set_weight_version(self, version: str | None) -> None:
+        self._check_open()
+        _check_version(version)
+        self._check_not_scaling("set_weight_version")
+        await self._weights.set_weight_version(range(self._dp_size), version)
+
+    async def collective_rpc(
+        self,
+        method: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (the upstream API's name for it)
+    ) -> list[Any]:
+        self._check_open()
+        if not isinstance(method, str) or not method:
+            raise InvalidRequestError(f"method must be a non-empty str, got {method!r}")
+        if isinstance(args, str | bytes) or not isinstance(args, Sequence):
+            raise InvalidRequestError(f"args must be a list or tuple, got {args!r}")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise InvalidRequestError(f"kwargs must be a mapping or None, got {kwargs!r}")
+        if timeout is not None and not timeout > 0:
+            raise InvalidRequestError(f"timeout must be > 0 or None, got {timeout!r}")
+        self._check_not_scaling("collective_rpc")
+        return await self._weights.collective_rpc(
+            range(self._dp_size), method, args, kwargs or {}, timeout
+        )
+
     async def scale(self, new_dp_size: int, *, drain_timeout: float | None = None) -> None:
         self._check_open()
         if isinstance(new_dp_size, bool) or not isinstance(new_dp_size, int) or new_dp_size < 1:
@@ -315,6 +401,11 @@ class FrontEnd:
             )
         if new_dp_size == self._dp_size:
             return
+        if self._weights.updated:
+            raise ScalingRefusedError(
+                "the ranks serve weights given to update_weights (version "
+                f"{self._weights.version!r}); a new rank would load the model file instead"
+            )
         self._scaling = True
         try:
             await self._core.scale(self, new_dp_size, drain_timeout)
@@ -360,6 +451,11 @@ class FrontEnd:
         if self._scaling:
             raise ScalingInProgressError(f"{what} refused: a scale is still in progress")
 
+    def _check_not_updating(self, what: str) -> None:
+        # A resume between the phases would let a rank switch weights mid-serving.
+        if self._weights.updating:
+            raise WeightUpdateInProgressError(f"{what} refused: update_weights is still running")
+
     def _in_progress(self) -> str:
         if self._sleeping:
             return "a sleep is still completing"
@@ -394,6 +490,7 @@ class FrontEnd:
             m.UtilityResult: self._on_utility_result,
             m.RequestsHeld: self._on_held,
             m.RankFailed: self._on_rank_failed,
+            RankReply: self._weights.on_reply,
         }
         async for message in self._core.outputs():
             handler = handlers.get(type(message))
@@ -438,6 +535,7 @@ class FrontEnd:
         logprobs = {entry.request_id: entry.entries for entry in message.logprobs}
         finished = message.finished
         token_ids = message.token_ids
+        version = self._weights.version_of(message.rank)
         position = 0
         for request_id, count in zip(message.request_ids, message.token_counts, strict=True):
             new_tokens = token_ids[position : position + count]
@@ -450,7 +548,7 @@ class FrontEnd:
             update = _request_update(
                 request_id, new_tokens, finished.get(request_id), logprobs.get(request_id, ())
             )
-            if stream.process(update):
+            if stream.process(update, version):
                 self._post(self._owner[request_id], m.StopRequests(request_ids=(request_id,)))
             if stream.finished:
                 self._finished(request_id)
@@ -520,6 +618,7 @@ class FrontEnd:
         for call in self._calls.values():
             call.done.set()
         self._calls.clear()
+        self._weights.fail_all()
         self._request_done.set()
         self._published.set()
 
@@ -528,6 +627,11 @@ class FrontEnd:
             return
         self._closed = True
         self._fail_all(EngineClosedError("the engine was closed while the request ran"))
+
+
+def _check_version(version: object) -> None:
+    if version is not None and not isinstance(version, str):
+        raise InvalidRequestError(f"a weight version is a str or None, got {version!r}")
 
 
 def _utility(call_id: int, method: str, **arguments: Any) -> m.UtilityCall:

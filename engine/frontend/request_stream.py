@@ -14,6 +14,7 @@ the caller finishes the request in the scheduler that still holds it.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator
 
 import anyio
@@ -40,14 +41,22 @@ class RequestStream:
         self._logprobs: list[TokenLogprob] = []
         self._finish_reason: str | None = None
         self._has_output = False
+        self._version: str | None = None  # the weights of the output not yet taken
+        self._sealed: deque[CompletionDelta] = deque()
         self._error: BaseException | None = None
         self._ready = anyio.Event()
 
-    def process(self, update: RequestUpdate) -> bool:
-        """Take one step's output. True when a stop string ended the request while the
-        scheduler still runs it (the caller must finish it there)."""
+    def process(self, update: RequestUpdate, weight_version: str | None = None) -> bool:
+        """Take one step's output, produced by the weights `weight_version`. True when a
+        stop string ended the request while the scheduler still runs it (the caller must
+        finish it there)."""
         if self.finished:
             return False
+        if self._has_output and weight_version != self._version:
+            # A delta says which weights made its tokens: output of older weights not
+            # taken yet is sealed into a delta of its own.
+            self._sealed.append(self._take())
+        self._version = weight_version
         finish = None if update.finish_reason is None else str(update.finish_reason)
         text = self._detokenizer.add(update.new_token_ids)
         if finish is not None:
@@ -95,9 +104,19 @@ class RequestStream:
 
     async def get(self) -> CompletionDelta:
         await self._ready.wait()
-        if not self._has_output:
+        if self._sealed:
+            delta = self._sealed.popleft()
+        elif self._has_output:
+            delta = self._take()
+        else:
             # The event is only set with output pending or an error.
             raise self._error  # type: ignore[misc]
+        if self._error is None and not self._sealed and not self._has_output:
+            self._ready = anyio.Event()
+        return delta
+
+    def _take(self) -> CompletionDelta:
+        """The output not yet taken, as one delta; clears it."""
         delta = CompletionDelta(
             request_id=self.request_id,
             text="".join(self._text),
@@ -105,9 +124,8 @@ class RequestStream:
             finish_reason=self._finish_reason,
             usage=Usage(prompt_tokens=self._prompt_tokens, output_tokens=self._output_tokens),
             logprobs=tuple(self._logprobs),
+            weight_version=self._version,
         )
         self._text, self._token_ids, self._logprobs = [], [], []
         self._has_output = False
-        if self._error is None:
-            self._ready = anyio.Event()
         return delta

@@ -13,11 +13,12 @@ model thread; `torch.inference_mode` is entered per call because it is thread-lo
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal, Protocol
 
 import torch
 
+from wavecore.engine.errors import WeightUpdateRefusedError
 from wavecore.engine.executors.batch import (
     EXECUTOR_TAGS,
     ModelBatch,
@@ -26,6 +27,8 @@ from wavecore.engine.executors.batch import (
     SequenceChunk,
 )
 from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosedError
+from wavecore.engine.executors.rpc import remote_callable
+from wavecore.engine.executors.weight_specs import check_update
 from wavecore.engine.model.batch_plan import CacheGeometry, plan_forward
 from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
@@ -33,6 +36,7 @@ from wavecore.engine.model.llama import LlamaModel
 from wavecore.engine.model.resolve import resolve_model_source
 from wavecore.engine.model.rope import RotaryTable
 from wavecore.engine.model.source import ModelSource
+from wavecore.engine.model.weight_update import stage_weights, weight_shapes
 from wavecore.engine.model.weights import ModelWeights
 from wavecore.engine.sampling_params import SamplingParams
 
@@ -245,6 +249,37 @@ class ModelExecutor:
         self._check_open()
         if self._cache is not None:
             self._cache.clear()
+
+    # -- weight updates (`executors.weight_specs.UpdatableExecutor`) ---------------------
+
+    @remote_callable
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The canonical tensors an update may name, with their shapes."""
+        return weight_shapes(self.config)
+
+    def stage_weights(
+        self, tensors: Mapping[str, torch.Tensor], *, partial: bool, origin: str
+    ) -> ModelWeights:
+        """Check `tensors` and build the weights they make, beside the current ones."""
+        self._check_open()
+        if self._model is None:
+            raise WeightUpdateRefusedError(
+                "the weights are asleep: call wake_up(['weights']) before update_weights"
+            )
+        check_update(tensors, self.weight_shapes(), partial=partial, origin=origin)
+        with torch.inference_mode():
+            return stage_weights(
+                self._model.weights,
+                self.config,
+                tensors,
+                device=self._device,
+                dtype=self._dtype,
+            )
+
+    def commit_weights(self, staged: object) -> None:
+        if not isinstance(staged, ModelWeights):
+            raise TypeError(f"commit_weights takes what stage_weights built, got {staged!r}")
+        self._model = LlamaModel(self.config, staged, self._rotary)
 
     def close(self) -> None:
         self._model = None

@@ -158,7 +158,7 @@ def load_safetensors_tensors(source: ModelSource) -> dict[str, torch.Tensor]:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    name = _canonical_name(key)
+                    name = canonical_tensor_name(key)
                     if name is not None:
                         tensors[name] = handle.get_tensor(key).to(torch.float32)
         except (SafetensorError, OSError) as error:
@@ -166,7 +166,8 @@ def load_safetensors_tensors(source: ModelSource) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _canonical_name(hf_name: str) -> str | None:
+def canonical_tensor_name(hf_name: str) -> str | None:
+    """The canonical name (`model.source`) of a Hugging Face tensor name, None if unknown."""
     if hf_name in _MODEL_TENSORS:
         return _MODEL_TENSORS[hf_name]
     prefix = "model.layers."

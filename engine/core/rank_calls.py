@@ -1,0 +1,178 @@
+"""What a rank answers outside its protocol machine: weight updates and collective RPC.
+
+Theory of operation:
+
+1. The runner hands every `weight_messages` call here between loop iterations, so a
+   forward is never running meanwhile; model-thread work (reading files, building
+   weights, RPC methods) runs on the `ModelThread`, the scheduler is touched on the
+   event loop.
+2. A weight update is two calls (the front end's two phases): STAGE checks the source
+   against the executor (`executors.weight_specs`) and builds the new weights beside
+   the old ones, changing nothing; COMMIT swaps them in, relabels the weights, resets
+   the prefix cache and sends running requests back to waiting, so that every token
+   after the update is computed from the new weights only (their KV is recomputed,
+   as after a sleep). DISCARD drops a staged update that another rank refused.
+3. STAGE is refused unless the rank's machine holds a completed pause whose weights
+   are awake (paused in any mode, or asleep with "weights" woken).
+4. A failure is an answer, never the rank's death: nothing changed, the error names
+   the file or tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from wavecore.engine.core.engine_core import EngineCore
+from wavecore.engine.core.model_thread import ModelThread
+from wavecore.engine.errors import EngineError, WeightUpdateRefusedError
+from wavecore.engine.executors.rpc import remote_method
+from wavecore.engine.executors.rpc_values import decode_values, encode_values
+from wavecore.engine.weight_chunks import ChunkAssembler, assemble
+from wavecore.engine.weight_messages import (
+    COMMIT,
+    DISCARD,
+    SET_VERSION,
+    STAGE,
+    RankReply,
+    RpcCall,
+    WeightChunk,
+    WeightsCall,
+)
+from wavecore.statemachines import PauseState
+from wavecore.statemachines.rank import RankSnapshot
+
+
+class RankCalls:
+    """See the module docstring; `state` reads the rank machine's snapshot."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        rank: int,
+        model_thread: ModelThread,
+        state: Callable[[], RankSnapshot],
+    ) -> None:
+        self._core = core
+        self._rank = rank
+        self._thread = model_thread
+        self._state = state
+        self._chunks = ChunkAssembler()
+        self._staged: tuple[int, object] | None = None
+
+    async def handle(self, item: WeightChunk | WeightsCall | RpcCall) -> RankReply | None:
+        """Perform one call; the reply to send, None for chunks and discards."""
+        if isinstance(item, WeightChunk):
+            self._chunks.take(item)
+            return None
+        if isinstance(item, RpcCall):
+            return await self._rpc(item)
+        if item.action == STAGE:
+            return await self._stage(item)
+        if item.action == COMMIT:
+            return await self._commit(item)
+        if item.action == DISCARD:
+            if self._staged is not None and self._staged[0] == item.stage_call:
+                self._staged = None
+            self._chunks.pop(item.stage_call)  # an update abandoned while sending
+            return None
+        if item.action == SET_VERSION:
+            self._core.weight_version = item.version
+            return self._reply(item.call_id)
+        return self._reply(item.call_id, error=f"unknown weights action {item.action!r}")
+
+    # -- weight updates ----------------------------------------------------------------
+
+    async def _stage(self, call: WeightsCall) -> RankReply:
+        chunks = self._chunks.pop(call.call_id)
+        self._staged = None
+        refusal = _refusal(self._state())
+        if refusal is not None:
+            return self._reply(call.call_id, error=refusal, refused=True)
+        stage = getattr(self._core.executor, "stage_weights", None)
+        if stage is None:
+            return self._reply(
+                call.call_id,
+                error=f"{type(self._core.executor).__name__} cannot update its weights",
+                refused=True,
+            )
+        path, partial = call.path, call.partial
+
+        def build() -> object:
+            from wavecore.engine.model.update_source import canonical_tensors, read_update_file
+
+            if path is not None:
+                return stage(read_update_file(path), partial=partial, origin=path)
+            origin = "the update's mapping"
+            return stage(
+                canonical_tensors(assemble(chunks), origin), partial=partial, origin=origin
+            )
+
+        try:
+            staged = await self._thread.run(build)
+        except WeightUpdateRefusedError as error:
+            return self._reply(call.call_id, error=str(error), refused=True)
+        except EngineError as error:
+            return self._reply(call.call_id, error=str(error))
+        except Exception as error:  # e.g. out of memory: nothing changed, say what
+            return self._reply(call.call_id, error=f"{type(error).__name__}: {error}")
+        self._staged = (call.call_id, staged)
+        return self._reply(call.call_id)
+
+    async def _commit(self, call: WeightsCall) -> RankReply:
+        if self._staged is None or self._staged[0] != call.stage_call:
+            return self._reply(call.call_id, error="no staged update to commit")
+        staged = self._staged[1]
+        self._staged = None
+        await self._thread.run(self._core.executor.commit_weights, staged)  # type: ignore[attr-defined]
+        self._core.weight_version = call.version
+        # Cached prefixes and the KV of kept requests came from the old weights.
+        self._core.drop_kv_cache()
+        return self._reply(call.call_id)
+
+    # -- collective RPC ----------------------------------------------------------------
+
+    async def _rpc(self, call: RpcCall) -> RankReply:
+        try:
+            method = remote_method(self._core.executor, call.method)
+            args, kwargs = _arguments(decode_values(call.arguments, "arguments"))
+        except (LookupError, ValueError) as error:
+            return self._reply(call.call_id, error=str(error))
+        try:
+            result = await self._thread.run(lambda: method(*args, **kwargs))
+            encoded = encode_values(result, f"the result of {call.method}")
+        except Exception as error:  # the method's own failure is the caller's answer
+            return self._reply(call.call_id, error=f"{type(error).__name__}: {error}")
+        return self._reply(call.call_id, result=encoded)
+
+    def _reply(
+        self,
+        call_id: int,
+        *,
+        error: str | None = None,
+        refused: bool = False,
+        result: bytes | None = None,
+    ) -> RankReply:
+        return RankReply(
+            rank=self._rank, call_id=call_id, error=error, refused=refused, result=result
+        )
+
+
+def _refusal(state: RankSnapshot) -> str | None:
+    if state.pause_state is not PauseState.PAUSED:
+        return (
+            "the engine is serving: call pause('keep') or pause('abort') "
+            "(or sleep, then wake_up(['weights'])) before update_weights"
+        )
+    if "weights" in state.asleep:
+        return "the weights are asleep: call wake_up(['weights']) before update_weights"
+    return None
+
+
+def _arguments(value: Any) -> tuple[list[Any], dict[str, Any]]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError("arguments must be [args, kwargs]")
+    args, kwargs = value
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise ValueError("arguments must be [args, kwargs]")
+    return args, kwargs
