@@ -126,7 +126,9 @@ async def open_in_process(build_core: Callable[[], EngineCore]) -> AsyncIterator
                 coordinator=None,
                 on_invalid=lambda item: _log.warning("rank 0 ignored %r", item),
             )
-            async with anyio.create_task_group() as tg, to_rank, from_rank:
+            # The streams outlive the rank's task: whatever it sends before its
+            # cancellation lands (a send has no checkpoint) finds them open.
+            async with to_rank, from_rank, anyio.create_task_group() as tg:
                 tg.start_soon(_run_rank, runner, rank_inbox, rank_outbox)
                 try:
                     yield InProcessClient(core, to_rank, from_rank)

@@ -62,6 +62,9 @@ class ModelThread:
         self._jobs.put(job)
         with anyio.CancelScope(shield=True):
             await done.wait()
+        # Shielded waits are not checkpoints: without this a rank that steps back to
+        # back would never see its cancellation while it has work.
+        await anyio.lowlevel.checkpoint_if_cancelled()
         ok, value = outcome[0]
         if not ok:
             raise value

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import anyio
 import pytest
 
@@ -135,6 +137,23 @@ async def test_stop_strings_cut_the_text_and_finish_the_request() -> None:
     assert text == expected_text[: expected_text.index(stop)]
     assert deltas[-1].finish_reason == "stop"
     assert stats.num_running == 0
+
+
+async def test_closing_right_after_a_stop_string_finish_is_clean() -> None:
+    """The front end aborts a request its stop string finished; closing the engine at
+    once used to close the rank's output stream while the rank was mid-step, and the
+    step's outputs then failed the close with BrokenResourceError."""
+    expected_text = bytes(expected_tokens("abc", 30)).decode("utf-8", errors="replace")
+    stop = expected_text[3:6]
+    for _ in range(5):
+        with anyio.fail_after(HANG_GUARD):
+            async with open_engine(executor="null") as engine:
+                deltas = await collect(engine, "abc", SamplingParams(max_tokens=30, stop=(stop,)))
+                # Keep the rank busy so that the close finds it in a step.
+                busy = SamplingParams(max_tokens=10_000, ignore_eos=True)
+                async with aclosing(engine.generate("busy", busy)) as stream:
+                    await anext(stream)
+        assert deltas[-1].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("mode", list(PauseMode))
