@@ -1,6 +1,7 @@
 """The properties a simulated deployment must hold; ``Violation`` names the one broken.
 
 After every move: the coordinator's wave never goes backwards nor ahead of the ranks;
+the client sees the engines paused, or asleep, only while every rank is;
 no collective waits for a member that waits in another collective, or that is idle
 while nothing is in flight (deadlock; a vote waits only for the members that have not
 started it). The world itself raises the violations it sees as they happen: a forward
@@ -9,7 +10,8 @@ a KEEP or ABORT pause reached every rank than rank rule 7 allows (slow_pause), a
 request waiting unannounced at a paused or sleeping rank, a refused call, a vote whose
 voters disagree on wave or step or whose step is not the voter's forward count
 (lockstep), a blocking collective entered with a vote unread (collective_order), a
-request left on a leaving rank.
+request left on a leaving rank, a finished scale whose leaving ranks still run or
+whose ranks are not all in the new group (scale_roles).
 
 At quiescence (nothing to deliver, nothing to step): the coordinator agrees with the
 ranks, every call the client waits for was answered, no scale is stuck, and every
@@ -53,6 +55,10 @@ def check_after_move(world: WorldView, coordinator_wave_before: int) -> None:
         ]
         if unpaused:
             raise Violation("paused_view", f"the client sees paused engines, ranks {unpaused} not")
+    if world.client.asleep and not world.client.awaiting:  # the sleep was answered
+        awake = [r for r in world.group if not world.loops[r].machine.asleep]
+        if awake:
+            raise Violation("asleep_view", f"the client sees sleeping engines, ranks {awake} not")
     rank_wave = max(world.loops[r].machine.wave for r in world.group)
     if wave > rank_wave:
         raise Violation("coordinator_wave", f"coordinator at {wave}, ranks at most {rank_wave}")

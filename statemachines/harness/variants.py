@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from ..coordinator import CoordinatorMachine, CoordinatorSnapshot
 from ..rank import (
+    EnterSleep,
     PauseComplete,
     PauseMode,
     PauseRequested,
@@ -22,11 +23,12 @@ from ..rank import (
     Reconfigured,
     RequestArrived,
     ResumeBarrier,
+    SleepRequested,
     StartVote,
     StartWave,
     StepDone,
 )
-from ..scaling import ScalingMachine, ScalingSnapshot
+from ..scaling import RanksPaused, ScalePhase, ScalingMachine, ScalingSnapshot, StopRanks
 
 
 class AcceptsStaleCompletion(CoordinatorMachine):
@@ -171,6 +173,30 @@ class PausesOnlyStayingRanks(ScalingMachine):
         return tuple(range(min(state.old_dp_size or 0, state.dp_size or 0)))
 
 
+class PausedRankIgnoresSleep(RankMachine):
+    """Rank rule 10: a sleep reaching a rank that is already paused is answered, but
+    nothing goes to sleep."""
+
+    def on_sleep(
+        self, state: RankSnapshot, event: SleepRequested
+    ) -> tuple[RankSnapshot, tuple[object, ...]]:
+        if state.pause_state is PauseState.PAUSED:
+            return state, (EnterSleep(level=event.level, tags=frozenset()),)
+        return super().on_sleep(state, event)
+
+
+class KeepsLeavingRanks(ScalingMachine):
+    """Scaling rule 4: a scale down switches the staying ranks to the smaller group but
+    never stops the leaving ones."""
+
+    def on_paused(
+        self, state: ScalingSnapshot, event: RanksPaused
+    ) -> tuple[ScalingSnapshot, tuple[object, ...]]:
+        _, actions = super().on_paused(state, event)
+        kept = tuple(action for action in actions if not isinstance(action, StopRanks))
+        return replace(state, phase=ScalePhase.SWITCHING), kept
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Variant:
     """One broken rule; ``failure_mode`` numbers it in protocol.md (None: a rule of
@@ -203,4 +229,6 @@ VARIANTS: dict[str, Variant] = {
     ),
     "switch_keeps_own_wave": Variant(failure_mode=None, rank_class=KeepsOwnCountersOnSwitch),
     "scale_pauses_staying_only": Variant(failure_mode=None, scaling_class=PausesOnlyStayingRanks),
+    "paused_rank_ignores_sleep": Variant(failure_mode=None, rank_class=PausedRankIgnoresSleep),
+    "scale_keeps_leaving_ranks": Variant(failure_mode=None, scaling_class=KeepsLeavingRanks),
 }

@@ -22,7 +22,9 @@ Theory of operation:
    feeds the machine when each part is done (new ranks ready at once; the drain done
    when no request of a leaving rank is left, or aborted by a drain timeout the
    client may fire at any moment; the pause and the switch answered by every rank;
-   the coordinator's publication of the new size).
+   the coordinator's publication of the new size). When it finishes, each party must
+   have done its own part: the leaving ranks shut down, every other rank in the new
+   group (``scale_roles``).
 5. The world is a value: ``clone()`` is cheap (machines and loops keep their state in
    frozen snapshots) and ``key()`` (``reduction``) hashes everything that decides the
    future. ``invariants`` lists the properties checked.
@@ -658,9 +660,28 @@ class World:
                 self.client = replace(self.client, paused=False)
                 self._scale_actions(self._handle(self.scaler, Resumed(), "scaler"))
             elif isinstance(action, ReconfigureFinished):
-                pass
+                self._check_roles(action.dp_size)
             else:
                 raise Violation("scale", f"the simulation cannot perform {action}")
+
+    def _check_roles(self, dp_size: int) -> None:
+        """A finished scale: each party did its own part. The leaving ranks shut down;
+        the staying ranks switched to the new group and the joining ones joined it."""
+        if len(self.loops) != dp_size:
+            leftover = list(range(dp_size, len(self.loops)))
+            raise Violation(
+                "scale_roles", f"a scale to {dp_size} ranks finished with ranks {leftover} running"
+            )
+        elsewhere = {
+            r: loop.machine.dp_size
+            for r, loop in enumerate(self.loops)
+            if loop.machine.dp_size != dp_size
+        }
+        if elsewhere:
+            raise Violation(
+                "scale_roles",
+                f"a scale to {dp_size} ranks finished with ranks in other groups: {elsewhere}",
+            )
 
     def _stop_ranks(self, ranks: tuple[int, ...]) -> None:
         for r in ranks:

@@ -34,7 +34,7 @@ def test_command_line_reports_no_violation_and_exit_zero(
     out = capsys.readouterr().out
     assert "no violation" in out
     for name in LARGE:
-        assert f"{name}: dp=2 depth=20 states explored" in out
+        assert f"{name}: dp=2 sync_interval=1 depth=20 states explored" in out
 
 
 def test_command_line_explores_only_the_scenarios_named(
@@ -42,7 +42,7 @@ def test_command_line_explores_only_the_scenarios_named(
 ) -> None:
     assert main(["--dp", "3", "--depth", "40", "--scenario", "pause-resume"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("pause-resume: dp=3 depth=")
+    assert lines[0].startswith("pause-resume: dp=3 sync_interval=1 depth=")
     assert len(lines) == 2
 
 

@@ -18,6 +18,7 @@ from wavecore.statemachines import (
 )
 from wavecore.statemachines.harness.explore import (
     ExploreConfig,
+    default_configs,
     explore,
     scale_configs,
     scale_script,
@@ -60,6 +61,13 @@ def test_a_wake_reply_does_not_answer_the_next_sleep() -> None:
     _settle(world)
     assert world.client.paused and not world.client.awaiting
     assert all(rank.asleep == {"scheduling"} for rank in world.ranks)
+
+
+@pytest.mark.parametrize("dp_size", [2, 3])
+def test_a_paused_rank_that_answers_a_sleep_without_sleeping_is_caught(dp_size: int) -> None:
+    # pause-modes: KEEP, then ABORT while KEEP holds, then a WAIT sleep while ABORT holds.
+    config = dict(default_configs(dp_size))["pause-modes"]
+    _assert_guarded(config, "paused_rank_ignores_sleep", {"asleep_view"}, depth=40)
 
 
 def test_a_wake_with_nothing_asleep_leaves_the_client_paused() -> None:
@@ -144,6 +152,12 @@ def test_a_switch_that_keeps_its_own_wave_is_caught() -> None:
     broken = explore(scale_up.broken("switch_keeps_own_wave"), 40)
     assert broken.violation is not None
     assert broken.violation.rule == "coordinator_wave", broken.violation.report()
+
+
+@pytest.mark.parametrize("dp_size", [2, 3])
+def test_a_scale_down_that_never_stops_the_leaving_ranks_is_caught(dp_size: int) -> None:
+    _, scale_down = scale_configs(dp_size)[1]
+    _assert_guarded(scale_down, "scale_keeps_leaving_ranks", {"scale_roles"}, depth=40)
 
 
 def test_a_request_for_the_new_rank_during_a_scale_up() -> None:
