@@ -1,4 +1,5 @@
-"""The `wavecore` command line: `wavecore generate` runs prompts through an engine."""
+"""The `wavecore` command line: `wavecore generate` runs prompts through an engine,
+`wavecore serve` serves one over HTTP (OpenAI-compatible)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from wavecore.engine.cli.results import ResultLog, open_output, print_error
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.errors import EngineDeadError, InvalidRequestError
 from wavecore.engine.interface import Engine
+from wavecore.engine.serve.command import add_serve_parser, cmd_serve
 
 # About 10-30 us of spinning on a current x86 core: longer than the Python between two
 # ops of a step, far shorter than libgomp's default (see `bound_openmp_spinning`).
@@ -321,6 +323,27 @@ def _memory(text: str) -> int | float:
     return value if 0 < value <= 1 else int(value)
 
 
+def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The engine flags `generate` and `serve` share, in a group the caller may extend."""
+    engine = command.add_argument_group("engine")
+    engine.add_argument(
+        "--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)"
+    )
+    engine.add_argument("--executor", choices=["model", "null"], default="model")
+    engine.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument(
+        "--kv-cache-memory",
+        type=_memory,
+        default=512 * 2**20,
+        help="bytes, or a fraction in (0, 1]",
+    )
+    engine.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
+    engine.add_argument("--dp", type=int, default=1, help="data-parallel ranks (processes)")
+    engine.add_argument("--dp-mode", choices=["lockstep", "independent"], default="lockstep")
+    return engine
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wavecore", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -345,22 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop at the first prompt that fails, instead of recording its error and "
         "running the others",
     )
-    engine = gen.add_argument_group("engine")
-    engine.add_argument(
-        "--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)"
-    )
-    engine.add_argument("--executor", choices=["model", "null"], default="model")
-    engine.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument(
-        "--kv-cache-memory",
-        type=_memory,
-        default=512 * 2**20,
-        help="bytes, or a fraction in (0, 1]",
-    )
-    engine.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
-    engine.add_argument("--dp", type=int, default=1, help="data-parallel ranks (processes)")
-    engine.add_argument("--dp-mode", choices=["lockstep", "independent"], default="lockstep")
+    engine = _add_engine_flags(gen)
     engine.add_argument(
         "--scale-at",
         type=_scale_at,
@@ -382,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-k", type=int)
     sampling.add_argument("--seed", type=int)
     sampling.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    add_serve_parser(commands, _add_engine_flags)
     rank = commands.add_parser("rank", help="run one headless data-parallel rank")
     rank.add_argument("--dp-rank", type=int, required=True)
     rank.add_argument("--dp-size", dest="dp", type=int, required=True)
@@ -425,6 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "rank":
             return cmd_rank(args)
+        if args.command == "serve":
+            return cmd_serve(args, _engine_config(args))
         return cmd_generate(args, out, err)
     except UsageError as error:
         print_error(err, args.command, str(error))

@@ -1,0 +1,123 @@
+"""Prometheus metrics of one server, in a registry of its own.
+
+Names follow the upstream engine's `vllm:` metrics under a `wavecore:` prefix. Request
+figures (tokens, finish reasons, latencies) are counted by the server as the deltas go
+by; the scheduler gauges are read from `engine.stats()` at each scrape, one series per
+DP rank (`engine` label).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from wavecore.engine.interface import EngineStats
+
+# Upstream's buckets, so dashboards built for it read these alike.
+_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._model = model_name
+        per_rank = ["model_name", "engine"]
+        self._running = Gauge(
+            "wavecore:num_requests_running",
+            "Requests in model execution batches.",
+            per_rank,
+            registry=self.registry,
+        )
+        self._waiting = Gauge(
+            "wavecore:num_requests_waiting",
+            "Requests waiting to be processed.",
+            per_rank,
+            registry=self.registry,
+        )
+        self._kv_usage = Gauge(
+            "wavecore:kv_cache_usage_perc",
+            "KV-cache usage; 1 means 100 percent.",
+            per_rank,
+            registry=self.registry,
+        )
+        self._prefix_hit_rate = Gauge(
+            "wavecore:prefix_cache_hit_rate",
+            "Share of prompt tokens found in the prefix cache.",
+            per_rank,
+            registry=self.registry,
+        )
+        self._prompt_tokens = Counter(
+            "wavecore:prompt_tokens",
+            "Prefill tokens processed.",
+            ["model_name"],
+            registry=self.registry,
+        )
+        self._generation_tokens = Counter(
+            "wavecore:generation_tokens",
+            "Generation tokens processed.",
+            ["model_name"],
+            registry=self.registry,
+        )
+        self._success = Counter(
+            "wavecore:request_success",
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._ttft = Histogram(
+            "wavecore:time_to_first_token_seconds",
+            "Time to first token.",
+            ["model_name"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self._itl = Histogram(
+            "wavecore:inter_token_latency_seconds",
+            "Time between two outputs of a request, per output.",
+            ["model_name"],
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self._e2e = Histogram(
+            "wavecore:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            ["model_name"],
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.labels(self._model).observe(seconds)
+
+    def next_tokens(self, seconds: float) -> None:
+        self._itl.labels(self._model).observe(seconds)
+
+    def generated(self, tokens: int) -> None:
+        self._generation_tokens.labels(self._model).inc(tokens)
+
+    def finished(self, reason: str, prompt_tokens: int, seconds: float) -> None:
+        self._success.labels(self._model, reason).inc()
+        self._prompt_tokens.labels(self._model).inc(prompt_tokens)
+        self._e2e.labels(self._model).observe(seconds)
+
+    def exposition(self, stats: EngineStats | None) -> bytes:
+        """The text format, with the scheduler gauges taken from `stats` (none without)."""
+        for gauge in (self._running, self._waiting, self._kv_usage, self._prefix_hit_rate):
+            gauge.clear()  # a rank removed by a scale must not linger
+        for rank in stats.ranks if stats is not None else ():
+            labels = (self._model, str(rank.rank))
+            self._running.labels(*labels).set(rank.core.num_running)
+            self._waiting.labels(*labels).set(rank.core.num_waiting)
+            self._kv_usage.labels(*labels).set(rank.core.kv_usage)
+            self._prefix_hit_rate.labels(*labels).set(rank.core.prefix_cache_hit_rate)
+        return generate_latest(self.registry)

@@ -1,0 +1,47 @@
+"""What `wavecore serve` was asked to do, apart from the engine's own configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeOptions:
+    """`port=0` binds a free port. `api_key` None leaves the API open. `max_waiting`
+    None never sheds load. `shutdown_timeout` is how long requests in flight may run on
+    after SIGTERM or Ctrl-C before they are aborted."""
+
+    model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    enable_admin_api: bool = False
+    max_waiting: int | None = None
+    shutdown_timeout: float = 30.0
+    max_request_bytes: int = 2**20
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("the served model name must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.api_key == "":
+            raise ValueError("--api-key must not be empty")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"--max-waiting must be >= 0, got {self.max_waiting}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+
+
+def model_name_of(model: str | None) -> str:
+    """The name clients pass as `model`: the file or directory name of `--model`
+    without a `.gguf` suffix, or the default model's name."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
