@@ -29,6 +29,9 @@ class CoreStats:
     num_running: int
     kv_usage: float
     prefix_cache_hit_rate: float
+    # Prompt tokens looked up in, and found in, the prefix cache since start.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
     num_kv_blocks: int
     block_size: int
     paused: str | None

@@ -199,6 +199,8 @@ class EngineCore:
             num_running=scheduler.num_running,
             kv_usage=scheduler.kv_usage,
             prefix_cache_hit_rate=scheduler.prefix_cache_hit_rate,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
             num_kv_blocks=self.executor.num_kv_blocks,
             block_size=self.executor.block_size,
             paused=None if paused is None else paused.value,

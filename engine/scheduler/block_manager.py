@@ -71,6 +71,9 @@ class BlockManager:
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._lookup_tokens = 0
         self._hit_tokens = 0
+        # The same, since start and never reset: monotonic counters for monitoring.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # -- queries -------------------------------------------------------------------
 
@@ -165,6 +168,8 @@ class BlockManager:
         if self.enable_prefix_caching:
             self._lookup_tokens += hit.num_queried_tokens
             self._hit_tokens += hit.num_tokens
+            self.prefix_cache_queries += hit.num_queried_tokens
+            self.prefix_cache_hits += hit.num_tokens
         return table
 
     def append(self, block_table: list[int], num_tokens: int) -> None:

@@ -28,6 +28,9 @@ class SchedulerStats:
     num_preempted: int
     kv_usage: float
     prefix_cache_hit_rate: float
+    # Tokens looked up in and found in the prefix cache since start (never reset).
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -455,6 +455,8 @@ class Scheduler:
             num_preempted=num_preempted,
             kv_usage=block_manager.usage,
             prefix_cache_hit_rate=block_manager.prefix_cache_hit_rate,
+            prefix_cache_queries=block_manager.prefix_cache_queries,
+            prefix_cache_hits=block_manager.prefix_cache_hits,
         )
 
     def _cache_blocks(self, request: Request) -> None:

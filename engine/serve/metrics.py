@@ -8,7 +8,11 @@ DP rank (`engine` label).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from wavecore.engine.interface import EngineStats
 
@@ -25,6 +29,32 @@ _E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+
+
+class _PrefixCacheCounters(Collector):
+    """Each rank's prefix-cache counters as of the last scrape's stats: they count in the
+    ranks, so they are reported as they stand rather than incremented here."""
+
+    def __init__(self, model_name: str) -> None:
+        self._model = model_name
+        self.stats: EngineStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "engine"]
+        queries = CounterMetricFamily(
+            "wavecore:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels=labels,
+        )
+        hits = CounterMetricFamily(
+            "wavecore:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=labels
+        )
+        for rank in self.stats.ranks if self.stats is not None else ():
+            rank_labels = [self._model, str(rank.rank)]
+            queries.add_metric(rank_labels, rank.core.prefix_cache_queries)
+            hits.add_metric(rank_labels, rank.core.prefix_cache_hits)
+        yield queries
+        yield hits
 
 
 class ServerMetrics:
@@ -74,6 +104,8 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self._prefix_cache = _PrefixCacheCounters(model_name)
+        self.registry.register(self._prefix_cache)
         self._ttft = Histogram(
             "wavecore:time_to_first_token_seconds",
             "Time to first token.",
@@ -114,6 +146,7 @@ class ServerMetrics:
         """The text format, with the scheduler gauges taken from `stats` (none without)."""
         for gauge in (self._running, self._waiting, self._kv_usage, self._prefix_hit_rate):
             gauge.clear()  # a rank removed by a scale must not linger
+        self._prefix_cache.stats = stats
         for rank in stats.ranks if stats is not None else ():
             labels = (self._model, str(rank.rank))
             self._running.labels(*labels).set(rank.core.num_running)

@@ -145,3 +145,20 @@ async def test_metrics_parse_and_move_with_a_request(http: httpx.AsyncClient) ->
     rank = (("engine", "0"), ("model_name", MODEL))
     assert after[("wavecore:num_requests_running", rank)] == 0
     assert after[("wavecore:kv_cache_usage_perc", rank)] == 0
+
+
+async def test_prefix_cache_counters_count_a_repeated_prompt(http: httpx.AsyncClient) -> None:
+    rank = (("engine", "0"), ("model_name", MODEL))
+    prompt = "a prompt long enough to fill several KV blocks of the cache " * 2
+    before = samples((await http.get("/metrics")).text)
+    for _ in range(2):
+        response = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert response.status_code == 200
+    after = samples((await http.get("/metrics")).text)
+
+    def moved(name: str) -> float:
+        return after[(name, rank)] - before.get((name, rank), 0.0)
+
+    queried = moved("wavecore:prefix_cache_queries_total")
+    hits = moved("wavecore:prefix_cache_hits_total")
+    assert queried >= 2 * len(prompt) - 2 and 0 < hits <= queried / 2
