@@ -30,6 +30,13 @@ class EngineConfig:
     rank in this process has no peers to step with: it always runs independently.
     `transport` is how the processes talk (`ipc` sockets, or `tcp` on loopback);
     `startup_timeout` bounds the wait for every rank to load and report ready.
+    `collective_timeout` bounds how long a rank waits in a collective of the DP group (a
+    vote, the resume barrier, a scale's group switch) for a peer that does not join: it
+    then fails naming itself, instead of waiting forever on a stuck peer; a peer stopped
+    for less (a debugger, SIGSTOP) catches up unharmed.
+    `max_dp_size` bounds what `scale` may ask for (None: what this machine can hold,
+    from its cores and memory and the model's needs; see `engine/dp/capacity.py`).
+
 
     `prefill_interval=K` admits new requests only on every K-th step (decodes run every
     step), trading time to first token for steadier inter-token latency; lockstep ranks
@@ -52,6 +59,8 @@ class EngineConfig:
     sync_interval: int = 1
     transport: Transport = "ipc"
     startup_timeout: float = 120.0
+    collective_timeout: float = 60.0
+    max_dp_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.executor not in ("model", "null"):
@@ -77,10 +86,10 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.transport must be 'ipc' or 'tcp', got {self.transport!r}"
             )
-        if not isinstance(self.startup_timeout, int | float) or self.startup_timeout <= 0:
-            raise ValueError(
-                f"EngineConfig.startup_timeout must be positive, got {self.startup_timeout!r}"
-            )
+        for name in ("startup_timeout", "collective_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"EngineConfig.{name} must be positive, got {value!r}")
         for name in (
             "block_size",
             "max_num_seqs",
@@ -92,6 +101,14 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.max_dp_size is not None:
+            bound = self.max_dp_size
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+                raise ValueError(
+                    f"EngineConfig.max_dp_size must be a positive int or None, got {bound!r}"
+                )
+            if self.dp_size > bound:
+                raise ValueError(f"EngineConfig.dp_size {self.dp_size} exceeds max_dp_size {bound}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 1
         ):

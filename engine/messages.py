@@ -194,10 +194,12 @@ class RequestsHeld:
 @_message(30626)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankFailed:
-    """The rank's loop stopped with an error; it waits for shutdown."""
+    """The rank's loop stopped with an error; it waits for shutdown. `in_collective`: the
+    error came out of a collective of the DP group, where a peer's death shows first."""
 
     rank: int
     error: str
+    in_collective: bool = False
 
 
 # -- coordinator traffic ----------------------------------------------------------------

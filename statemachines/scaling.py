@@ -31,9 +31,12 @@ Theory of operation:
    ``ReconfigurationActiveError``.
 8. ``ScaleAborted`` before the switch rolls back (STARTING: ``StopRanks`` of the new
    ranks; DRAINING: ``RouteTo`` the old size; PAUSING: both as they apply, then
-   ``ResumeRanks``) and returns to IDLE with the engine at its old size; from the
-   switch on nothing can be rolled back: ``ScaleAbandoned`` says so, and IDLE takes a
-   new attempt.
+   ``ResumeRanks``) and returns to IDLE with the engine at its old size. A scale up
+   aborted while SWITCHING rolls back like PAUSING: a rank whose new group does not
+   form stays in its old group (and says so in its answer), and every old rank is
+   still there to resume it. A scale down's leaving ranks are gone once SWITCHING, and
+   RESIZING and RESUMING come after a switch that succeeded: nothing can be rolled
+   back there, ``ScaleAbandoned`` says so, and IDLE takes a new attempt.
 """
 
 from __future__ import annotations
@@ -283,13 +286,13 @@ class ScalingMachine(TableMachine[ScalingSnapshot]):
     def on_aborted(self, state: ScalingSnapshot, event: ScaleAborted) -> Result:
         old, new = state.old_dp_size or 0, state.dp_size or 0
         idle = ScalingSnapshot(phase=_IDLE)
-        if state.phase in (_SWITCHING, _RESIZING, _RESUMING):
+        if state.phase in (_RESIZING, _RESUMING) or (state.phase is _SWITCHING and new < old):
             return idle, (ScaleAbandoned(reason=event.reason),)
         rollback: list[object] = []
         if new > old:
             rollback.append(StopRanks(ranks=tuple(range(old, new))))
         else:
             rollback.append(RouteTo(dp_size=old))
-        if state.phase is _PAUSING:
+        if state.phase in (_PAUSING, _SWITCHING):
             rollback.append(ResumeRanks(ranks=tuple(range(old))))
         return idle, (*rollback, ScaleRolledBack(reason=event.reason, dp_size=old))

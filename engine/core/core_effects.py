@@ -54,6 +54,7 @@ class CoreEffects:
         self._notices: list[object] = []
         self._pause_started_at: int | None = None
         self._pause_calls: set[int] = set()
+        self._failed_calls: dict[int, str] = {}
         # The current iteration's token updates, in StepOutputs' columns.
         self._ids: list[str] = []
         self._counts: list[int] = []
@@ -107,7 +108,14 @@ class CoreEffects:
     def report(self) -> object:
         return self._stats()
 
+    def fail_call(self, call_id: int, error: str) -> None:
+        """Have this call's reply, whenever the loop sends it, carry `error` (a switch
+        whose new group did not form: the machine completes it, the client must not
+        take it for a success)."""
+        self._failed_calls[call_id] = error
+
     def reply(self, call_id: int, *, error: str | None = None, result: object = None) -> None:
+        error = self._failed_calls.pop(call_id, error)
         if call_id in self._pause_calls:
             self._pause_calls.discard(call_id)
             if not self._pause_calls and self._pause_started_at is not None:

@@ -85,7 +85,9 @@ class InProcessClient:
     def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
         """The rank reports its own failure (`RankFailed`); nothing else can die here."""
 
-    def root_cause(self, error: EngineDeadError) -> EngineDeadError:
+    async def root_cause(
+        self, error: EngineDeadError, *, in_collective: bool = False
+    ) -> EngineDeadError:
         return error  # one rank: its failure is its own
 
     async def send(self, rank: int, message: Any) -> None:

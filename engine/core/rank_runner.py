@@ -76,6 +76,8 @@ class Sink(Protocol):
 
 
 class DPGroupHandle(Protocol):
+    size: int
+
     def start_vote(
         self, *, has_unfinished: bool, pending_pause: bool, wave: int, step_counter: int
     ) -> None: ...
@@ -92,6 +94,11 @@ class GroupJoiner(Protocol):
     def __call__(
         self, *, prefix: str, dp_size: int, rank: int, running: bool, wave: int, step_counter: int
     ) -> tuple[DPGroupHandle | None, tuple[bool, int, int]]: ...
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective of the DP group failed (its cause is chained): as often the sign of
+    a peer that died as a fault of this rank."""
 
 
 class RankRunner:
@@ -121,9 +128,14 @@ class RankRunner:
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._effects = CoreEffects(core, self.rank, self.counts, self.stats, self._start_vote)
         self._backlog: deque[Any] = deque()
-        self._last_load: tuple[int, int, float] | None = None
+        # The coordinator starts every rank at zero load, so a rank reports only a change
+        # from that: a rank a scale adds gets no request before the coordinator knows the
+        # new size, so it sends nothing until then (an early report, before the
+        # coordinator's resize, would name a rank outside its group).
+        self._last_load: tuple[int, int, float] = (0, 0, 0.0)
         # A switch's group prefix, kept from its message until the collective runs.
         self._switch_prefix = ""
+        self._switch_call = -1
         # Weight updates and collective RPC, answered outside the machine.
         self._calls = RankCalls(core, self.rank, model_thread, self.loop.machine.snapshot)
 
@@ -135,9 +147,12 @@ class RankRunner:
             await self._flush()
             await self._drive(inbox)
         except Exception as error:
-            detail = f"{type(error).__name__}: {error}"
+            cause = error.__cause__ if isinstance(error, CollectiveFailed) else error
+            detail = f"{type(cause).__name__}: {cause}"
             failure = m.RankFailed(
-                rank=self.rank, error=f"rank {self.rank} (pid {os.getpid()}) failed: {detail}"
+                rank=self.rank,
+                error=f"rank {self.rank} (pid {os.getpid()}) failed: {detail}",
+                in_collective=isinstance(error, CollectiveFailed),
             )
             await self._flush()
             await self._outputs.send(failure)
@@ -222,12 +237,16 @@ class RankRunner:
             self._deliver(item)
 
     def _start_vote(self, vote: StartVote) -> None:
-        self._current_group(vote).start_vote(
-            has_unfinished=vote.has_unfinished,
-            pending_pause=vote.pending_pause,
-            wave=vote.wave,
-            step_counter=vote.step_counter,
-        )
+        group = self._current_group(vote)
+        try:
+            group.start_vote(
+                has_unfinished=vote.has_unfinished,
+                pending_pause=vote.pending_pause,
+                wave=vote.wave,
+                step_counter=vote.step_counter,
+            )
+        except Exception as error:
+            raise CollectiveFailed from error
 
     def _current_group(self, action: object) -> DPGroupHandle:
         if self._group is None:
@@ -235,6 +254,14 @@ class RankRunner:
         return self._group
 
     async def _collective(
+        self, action: AwaitVote | DrainVote | ResumeBarrier | JoinGroup
+    ) -> object:
+        try:
+            return await self._collective_of(action)
+        except Exception as error:
+            raise CollectiveFailed from error
+
+    async def _collective_of(
         self, action: AwaitVote | DrainVote | ResumeBarrier | JoinGroup
     ) -> object:
         if isinstance(action, JoinGroup):
@@ -257,26 +284,43 @@ class RankRunner:
 
     async def _join(self, action: JoinGroup) -> Reconfigured:
         agreed = (action.running, action.wave, action.step_counter)
+        dp_size = action.dp_size
         if self._join_group is not None:
             joiner, prefix = self._join_group, self._switch_prefix
-            self._group, agreed = await self._thread.run(
-                lambda: joiner(
-                    prefix=prefix,
-                    dp_size=action.dp_size,
-                    rank=self.rank,
-                    running=action.running,
-                    wave=action.wave,
-                    step_counter=action.step_counter,
+            try:
+                self._group, agreed = await self._thread.run(
+                    lambda: joiner(
+                        prefix=prefix,
+                        dp_size=action.dp_size,
+                        rank=self.rank,
+                        running=action.running,
+                        wave=action.wave,
+                        step_counter=action.step_counter,
+                    )
                 )
-            )
+            except Exception as error:
+                dp_size = self._keep_group(action, error)
         running, wave, step_counter = agreed
         return Reconfigured(
             rank=self.rank,
-            dp_size=action.dp_size,
+            dp_size=dp_size,
             wave=wave,
             running=running,
             step_counter=step_counter,
         )
+
+    def _keep_group(self, action: JoinGroup, error: Exception) -> int:
+        """The new group did not form (a member died or never joined within the
+        collective timeout): this rank stays in its old group, paused, with its own
+        wave and step (its peers there kept theirs too), and its answer to the switch
+        carries the error, so the client rolls the scale back instead of serving on a
+        group that does not exist. Returns the size it stays at."""
+        self._effects.fail_call(
+            self._switch_call,
+            f"rank {self.rank} could not join the new group of {action.dp_size} ranks "
+            f"({type(error).__name__}: {error}); it stays in its old group",
+        )
+        return action.dp_size if self._group is None else self._group.size
 
     async def _sleep(self, pending: Sleep) -> None:
         if "kv_cache" in pending.tags:
@@ -301,6 +345,7 @@ class RankRunner:
             self._on_invalid(item)
         elif isinstance(item, m.SwitchGroup):
             self._switch_prefix = item.group_prefix
+            self._switch_call = item.call_id
         elif isinstance(loop_input, Call) and isinstance(loop_input.request, PauseRequested):
             self._effects.pause_started(loop_input.call_id)
         return loop_input

@@ -28,6 +28,7 @@ from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.dp.exit_status import describe_exit
 from wavecore.engine.dp.launcher import DPWiring, open_dp_processes
+from wavecore.engine.dp.process_state import is_stopped
 from wavecore.engine.dp.rank_process import BuildCore
 from wavecore.engine.dp.scaler import Scaler
 from wavecore.engine.errors import EngineDeadError
@@ -39,6 +40,9 @@ _OUTPUTS = (m.StepOutputs, m.UtilityResult, m.RequestsHeld, m.RankFailed, RankRe
 # Weight chunks stay well below the channels' 64 MiB frame limit, and the time one
 # chunk holds a channel stays short.
 _MAX_CHUNK_BYTES = 16 * 2**20
+# How long a failure out of a collective waits for a peer's exit to be seen: the exit
+# follows the closing of the peer's sockets by microseconds to milliseconds.
+_PEER_EXIT_GRACE = 2.0
 
 
 class DPClient:
@@ -49,6 +53,7 @@ class DPClient:
         self.wiring = wiring
         self._tokenizer = tokenizer
         self._on_death: Callable[[EngineDeadError], None] | None = None
+        self._exited = anyio.Event()
         self._closed = False
         self.scaler = Scaler(config, wiring)
 
@@ -80,15 +85,42 @@ class DPClient:
         self._on_death = callback
 
     def process_exited(self, name: str, exitcode: int | None) -> None:
+        self._exited.set()
+        self._exited = anyio.Event()
         if not self._closed and self._on_death is not None:
             self._on_death(EngineDeadError(f"{name} died ({describe_exit(exitcode)})"))
 
-    def root_cause(self, error: EngineDeadError) -> EngineDeadError:
-        for name, process in list(self.wiring.processes.items()):
-            if "retired" not in name and process.pid is not None and not process.is_alive():
-                cause = EngineDeadError(f"{name} died ({describe_exit(process.exitcode)}); {error}")
-                cause.__cause__ = error
-                return cause
+    async def root_cause(
+        self, error: EngineDeadError, *, in_collective: bool = False
+    ) -> EngineDeadError:
+        """The first cause behind a rank's failure: a process that died, else one that
+        is stopped (its peers gave up waiting for it in a collective). A peer's closed
+        sockets reach the other ranks a moment before the kernel lets its process be
+        reaped, so a failure out of a collective waits, briefly, for an exit to show."""
+        cause = self._first_cause(error)
+        if cause is error and in_collective:
+            with anyio.move_on_after(_PEER_EXIT_GRACE):
+                while (cause := self._first_cause(error)) is error:
+                    await self._exited.wait()
+        return cause
+
+    def _first_cause(self, error: EngineDeadError) -> EngineDeadError:
+        current = [
+            (name, process)
+            for name, process in list(self.wiring.processes.items())
+            if "retired" not in name and process.pid is not None
+        ]
+        for name, process in current:
+            if not process.is_alive():
+                return _caused(f"{name} died ({describe_exit(process.exitcode)})", error)
+        for name, process in current:
+            if process.pid is not None and is_stopped(process.pid):
+                timeout = self.config.collective_timeout
+                return _caused(
+                    f"{name} is stopped (SIGSTOP or a debugger) and did not join a "
+                    f"collective within collective_timeout ({timeout:g} s)",
+                    error,
+                )
         return error
 
     async def send(self, rank: int, message: Any) -> None:
@@ -125,6 +157,12 @@ class DPClient:
 
     def close(self) -> None:
         self._closed = True
+
+
+def _caused(cause: str, error: EngineDeadError) -> EngineDeadError:
+    named = EngineDeadError(f"{cause}; {error}")
+    named.__cause__ = error
+    return named
 
 
 @asynccontextmanager

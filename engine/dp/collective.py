@@ -36,6 +36,11 @@ class CollectiveMismatchError(RuntimeError):
     """Ranks met in one all-reduce from different collectives (vote vs barrier)."""
 
 
+class CollectiveTimeoutError(RuntimeError):
+    """A peer did not join a collective within the group's timeout (it is stuck,
+    stopped, or gone); the message names this rank and the peers it waited for."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SyncResult:
     any_unfinished: bool
@@ -47,22 +52,41 @@ class SyncResult:
 class DPGroup:
     """This rank's handle on the DP group; build it with `DPGroup.join`."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, size: int) -> None:
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, *, timeout_s: float) -> None:
         self._group = group
         self.rank = rank
         self.size = size
+        self.timeout_s = timeout_s
         self._options = dist.AllreduceOptions()
         self._options.reduceOp = dist.ReduceOp.MAX
         self._votes: deque[tuple[dist.Work, torch.Tensor]] = deque()
 
     @classmethod
     def join(
-        cls, *, host: str, port: int, prefix: str, rank: int, size: int, timeout_s: float
+        cls,
+        *,
+        host: str,
+        port: int,
+        prefix: str,
+        rank: int,
+        size: int,
+        timeout_s: float,
+        rendezvous_timeout_s: float | None = None,
     ) -> DPGroup:
+        """Wait up to `rendezvous_timeout_s` (default `timeout_s`) for every member to
+        reach the store (ranks load their models at their own pace); then every
+        collective of the group fails after `timeout_s` (`EngineConfig.collective_timeout`)
+        if a peer never joins it."""
+        rendezvous = timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s
+        store = dist.TCPStore(host, port, size + 1, False, timeout=timedelta(seconds=rendezvous))
+        # Every member reaches the store first, so that the group's connection (bounded
+        # by its own, shorter timeout) never waits for a peer still loading its model.
+        arrived = dist.PrefixStore(f"{prefix}/arrived", store)
+        arrived.set(str(rank), "1")
+        arrived.wait([str(member) for member in range(size)])
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, size + 1, False, timeout=timeout)
         group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timeout)
-        return cls(group, rank, size)
+        return cls(group, rank, size, timeout_s=timeout_s)
 
     def start_vote(
         self, *, has_unfinished: bool, pending_pause: bool, wave: int, step_counter: int
@@ -76,7 +100,7 @@ class DPGroup:
         if not self._votes:
             raise RuntimeError(f"rank {self.rank} awaits a vote it never started")
         work, tensor = self._votes.popleft()
-        work.wait()
+        self._wait(work, "a vote")
         reduced = self._checked(tensor)
         return SyncResult(
             any_unfinished=bool(reduced[2]),
@@ -90,8 +114,22 @@ class DPGroup:
         if self._votes:
             raise RuntimeError(f"rank {self.rank} enters the barrier with a vote unread")
         tensor = self._layout(_BARRIER, has_unfinished, 0, 0, False)
-        self._group.allreduce([tensor], self._options).wait()
+        self._wait(self._group.allreduce([tensor], self._options), "the resume barrier")
         return bool(self._checked(tensor)[2])
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        """Wait for a collective; gloo's own timeout error names no rank, this one says
+        which rank gave up and on whom."""
+        try:
+            work.wait()
+        except RuntimeError as error:
+            if "timed out" not in str(error).lower():
+                raise
+            peers = ", ".join(str(rank) for rank in range(self.size) if rank != self.rank)
+            raise CollectiveTimeoutError(
+                f"rank {self.rank} waited {self.timeout_s:g} s (collective_timeout) in "
+                f"{what} for its peers (ranks {peers}); one of them did not join it"
+            ) from error
 
     def _layout(
         self, kind: int, has_unfinished: bool, wave: int, step_counter: int, vote: bool

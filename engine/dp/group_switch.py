@@ -48,4 +48,4 @@ def join_and_agree(
     agreement = GroupAgreement(
         running=bool(agreed_running), wave=agreed_wave, step_counter=agreed_step
     )
-    return DPGroup(group, rank, size), agreement
+    return DPGroup(group, rank, size, timeout_s=timeout_s), agreement

@@ -370,7 +370,7 @@ def rank_assignment(
         store_host=wiring.host,
         store_port=0 if wiring.store is None else wiring.store.port,
         group_prefix=group_prefix,
-        collective_timeout_s=float(config.startup_timeout),
+        collective_timeout_s=float(config.collective_timeout),
         joining=joining,
     )
 

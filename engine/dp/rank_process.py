@@ -51,8 +51,9 @@ from wavecore.statemachines import RankMachine
 BuildCore = Callable[[EngineConfig], EngineCore]
 
 
-# How a rank was reached and how long it may take to start change nothing it computes.
-_DEPLOYMENT_FIELDS = frozenset({"transport", "startup_timeout"})
+# How a rank was reached, how long it may take to start and how far the client may scale
+# change nothing it computes.
+_DEPLOYMENT_FIELDS = frozenset({"transport", "startup_timeout", "max_dp_size"})
 
 
 def describe_config(config: EngineConfig) -> dict[str, str]:
@@ -117,6 +118,7 @@ async def _run_rank(
                                 prefix=assignment.group_prefix,
                                 rank=rank,
                                 size=assignment.dp_size,
+                                rendezvous_timeout_s=config.startup_timeout,
                                 timeout_s=assignment.collective_timeout_s,
                             )
                         )
@@ -171,12 +173,13 @@ def _share_cpu_threads(dp_size: int) -> None:
 
 def _group_joiner(assignment: m.RankAssignment) -> GroupJoiner:
     """How this rank joins the group a scale switches to (over the client's store)."""
+    # Imported now, not at the switch: the import takes seconds on a busy machine, which
+    # would count against the collective timeout of every member waiting for this one.
+    from wavecore.engine.dp.group_switch import join_and_agree
 
     def join(
         *, prefix: str, dp_size: int, rank: int, running: bool, wave: int, step_counter: int
     ) -> tuple[DPGroupHandle | None, tuple[bool, int, int]]:
-        from wavecore.engine.dp.group_switch import join_and_agree
-
         group, agreed = join_and_agree(
             host=assignment.store_host,
             port=assignment.store_port,

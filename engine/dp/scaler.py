@@ -15,10 +15,17 @@ Theory of operation:
    size (so no message of a new rank can reach a coordinator that does not know it).
 2. Ranks keep their numbers; every switch builds a fresh gloo group under a new store
    prefix (`<engine prefix>-g<generation>`), so the old and new groups never share keys.
-3. A failure before the switch is rolled back by the machine's `ScaleAborted` script:
-   new processes stopped and reaped, routing restored, the engines resumed; the error
-   (`ScalingFailedError`) names the cause and says the engine still serves at its old
-   size. From the switch on nothing can be rolled back, and the error says so.
+3. The target size is checked first (`capacity`): a size the machine cannot hold is
+   refused before anything starts.
+4. A failure is rolled back by the machine's `ScaleAborted` script where it can be
+   (before the switch, and during a scale up's switch: a rank whose new group does
+   not form stays in its old group and says so): new processes stopped and reaped,
+   routing restored, the engines resumed; the error (`ScalingFailedError`) names the
+   phase and the cause and says the engine still serves at its old size. Where nothing
+   can be rolled back the error says so.
+5. New ranks are watched by the scale while it runs (`_watch_new_ranks`): a death ends
+   it at once, named. Only a finished scale hands them to the engine's watcher, whose
+   report of a death kills the engine.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import anyio
@@ -34,6 +42,7 @@ import anyio.to_thread
 from wavecore.channels import MessageSender, open_push
 from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
+from wavecore.engine.dp.capacity import dp_capacity
 from wavecore.engine.dp.exit_status import describe_exit, wait_for_exits
 from wavecore.engine.dp.launcher import (
     SHUTDOWN_GRACE_S,
@@ -69,6 +78,7 @@ from wavecore.statemachines import (
     RouteTo,
     ScaleAbandoned,
     ScaleAborted,
+    ScalePhase,
     ScaleRequested,
     ScaleRolledBack,
     ScalingMachine,
@@ -96,6 +106,9 @@ class Scaler:
         self._starting: list[MessageSender] = []
         self._ends_token = 0
         self._ends_expected = anyio.Event()
+        # Lives as long as one scale: watches the ranks it starts (`_watch_new_ranks`).
+        self._watches: anyio.abc.TaskGroup | None = None
+        self._new_ranks: tuple[int, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -103,16 +116,22 @@ class Scaler:
 
     async def scale(self, host: ScaleHost, new_dp_size: int, drain_timeout: float | None) -> None:
         old = host.dp_size
+        if new_dp_size > old:
+            await self._check_capacity(old, new_dp_size)
         try:
             actions = self._machine.handle(ScaleRequested(old_dp_size=old, dp_size=new_dp_size))
         except ReconfigurationActiveError as error:
             raise ScalingInProgressError(str(error)) from None
         try:
-            await self._run(host, actions, drain_timeout)
+            async with anyio.create_task_group() as watches:
+                self._watches = watches
+                await self._run(host, actions, drain_timeout)
+                watches.cancel_scope.cancel()
         except BaseException as raised:
             error = _sole(raised)
             if not self._machine.active:
                 raise
+            where = _PHASES[self._machine.phase]
             reason = f"{type(error).__name__}: {error}"
             rollback = self._machine.handle(ScaleAborted(reason=reason))
             with anyio.CancelScope(shield=True):
@@ -121,13 +140,29 @@ class Scaler:
                 raise
             if any(isinstance(action, ScaleRolledBack) for action in rollback):
                 raise ScalingFailedError(
-                    f"scaling from {old} to {new_dp_size} ranks failed and was rolled back "
-                    f"(still {old} ranks): {reason}"
+                    f"scaling from {old} to {new_dp_size} ranks failed {where} and was rolled "
+                    f"back (still {old} ranks): {reason}"
                 ) from error
+            # The new ranks stay in the group: from now on their death is the engine's
+            # (one that already died is reported at once, naming it).
+            self._adopt_new_ranks()
             raise ScalingFailedError(
-                f"scaling from {old} to {new_dp_size} ranks failed after the switch started "
-                f"(not rolled back; the engine may be unusable): {reason}"
+                f"scaling from {old} to {new_dp_size} ranks failed {where}, after the switch "
+                f"started (not rolled back; the engine may be unusable): {reason}"
             ) from error
+        finally:
+            self._watches = None
+            self._new_ranks = ()
+
+    async def _check_capacity(self, old: int, new_dp_size: int) -> None:
+        """Refuse a size the machine cannot hold before anything starts (`capacity`)."""
+        capacity = await anyio.to_thread.run_sync(dp_capacity, self._config)
+        if new_dp_size > capacity.max_dp_size:
+            raise ScalingRefusedError(
+                f"scaling from {old} to {new_dp_size} ranks refused: at most "
+                f"{capacity.max_dp_size} ranks ({capacity.reason}); nothing changed, the "
+                f"engine still serves at {old} ranks (EngineConfig.max_dp_size sets the limit)"
+            )
 
     async def _run(
         self, host: ScaleHost, actions: tuple[object, ...], drain_timeout: float | None
@@ -162,7 +197,10 @@ class Scaler:
             self._generation += 1
             prefix = self._prefix()
             size = action.dp_size
-            with anyio.fail_after(timeout):
+            # The ranks give up on a group that does not form after the collective
+            # timeout and say why in their answers; wait longer, to hear them.
+            bound = 2 * self._config.collective_timeout
+            with _within(bound, f"the switch to the group of {size} ranks"):
                 await host.call_ranks(
                     range(size),
                     lambda cid: m.SwitchGroup(call_id=cid, dp_size=size, group_prefix=prefix),
@@ -170,7 +208,7 @@ class Scaler:
             return SwitchDone()
         if isinstance(action, ResizeCoordinator):
             await wiring.to_coordinator.send(m.CoordinatorResize(dp_size=action.dp_size))
-            with anyio.fail_after(timeout):
+            with _within(timeout, f"the coordinator's resize to {action.dp_size} ranks"):
                 await host.coordinator_size(action.dp_size)
             return CoordinatorResized()
         if isinstance(action, ResumeRanks):
@@ -185,9 +223,20 @@ class Scaler:
         elif isinstance(action, ResizeTables):
             host.resize_tables(action.dp_size)
             wiring.dp_size = action.dp_size
-        elif not isinstance(action, ReconfigureFinished):
+        elif isinstance(action, ReconfigureFinished):
+            self._adopt_new_ranks()
+        else:
             raise RuntimeError(f"the scaler cannot perform {action}")
         return None
+
+    def _adopt_new_ranks(self) -> None:
+        """From here on a new rank's death is the engine's, as for the first ranks."""
+        watcher = self._wiring.watcher
+        if watcher is not None:
+            for rank in self._new_ranks:
+                name = process_name(rank)
+                watcher.watch(name, self._wiring.processes[name])
+        self._new_ranks = ()
 
     async def _roll_back(self, host: ScaleHost, actions: tuple[object, ...]) -> None:
         """Perform an aborted scale's rollback. An engine that died meanwhile has nothing
@@ -229,37 +278,32 @@ class Scaler:
             )
             wiring.processes[process_name(rank)] = process
             process.start()
+        if self._watches is not None:
+            self._watches.start_soon(self._watch_new_ranks, ranks)
         expected = describe_config(config)
         ready: set[int] = set()
-        with anyio.fail_after(config.startup_timeout):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_startup, ranks, tg.cancel_scope)
-                while len(ready) < len(ranks):
-                    message = await handshake.receive()
-                    answered = await answer_rank(
-                        handshake,
-                        message,
-                        expected,
-                        lambda rank: rank_assignment(
-                            config,
-                            wiring,
-                            rank=rank,
-                            dp_size=dp_size,
-                            input_address=self._starting[rank - first].address,
-                            group_prefix=self._prefix(),
-                            joining=True,
-                        ),
-                    )
-                    if answered is not None:
-                        ready.add(answered.rank)
-                tg.cancel_scope.cancel()
+        with _within(config.startup_timeout, f"the startup of new ranks {list(ranks)}"):
+            while len(ready) < len(ranks):
+                message = await handshake.receive()
+                answered = await answer_rank(
+                    handshake,
+                    message,
+                    expected,
+                    lambda rank: rank_assignment(
+                        config,
+                        wiring,
+                        rank=rank,
+                        dp_size=dp_size,
+                        input_address=self._starting[rank - first].address,
+                        group_prefix=self._prefix(),
+                        joining=True,
+                    ),
+                )
+                if answered is not None:
+                    ready.add(answered.rank)
         wiring.to_ranks.extend(self._starting)
         self._starting = []
-        if wiring.watcher is not None:
-            # From here on a new rank's death is the engine's, as for the first ranks.
-            for rank in ranks:
-                name = process_name(rank)
-                wiring.watcher.watch(name, wiring.processes[name])
+        self._new_ranks = ranks
 
     async def _drain(
         self, host: ScaleHost, leaving: tuple[int, ...], drain_timeout: float | None
@@ -270,13 +314,17 @@ class Scaler:
             while host.unfinished_on(leaving):
                 await host.request_finished()
         await host.abort_on(host.unfinished_on(leaving))
-        with anyio.fail_after(self._config.startup_timeout):
+        bound = self._config.startup_timeout
+        with _within(bound, f"the abort of the requests left on ranks {list(leaving)}"):
             while host.unfinished_on(leaving):
                 await host.request_finished()
 
-    async def _watch_startup(self, ranks: tuple[int, ...], scope: anyio.CancelScope) -> None:
-        """A new rank that dies during its startup ends the wait at once, naming it and
-        how it ended ("rank 2 (killed by SIGKILL)")."""
+    async def _watch_new_ranks(self, ranks: tuple[int, ...]) -> None:
+        """A new rank that dies while the scale runs ends it at once (and the scale is
+        rolled back), naming the rank, the phase and how it ended ("new rank 2 exited
+        during startup: killed by SIGKILL"). The engine's watcher takes the new ranks
+        over only once the scale finished: until then their death is the scale's
+        failure, not the engine's."""
 
         processes = {
             process_name(rank): self._wiring.processes[process_name(rank)] for rank in ranks
@@ -285,12 +333,13 @@ class Scaler:
         ended = await anyio.to_thread.run_sync(
             wait_for_exits, processes.values(), abandon_on_cancel=True
         )
-        names = ", ".join(
-            f"{name} ({describe_exit(process.exitcode)})"
+        where = _PHASES[self._machine.phase]
+        deaths = "; ".join(
+            f"new {name} exited {where}: {describe_exit(process.exitcode)}"
             for name, process in processes.items()
             if process in ended
         )
-        raise DPStartupError(f"new rank process exited during startup: {names}")
+        raise DPStartupError(deaths)
 
     async def serve(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """Hosts the new ranks' input senders for the engine's lifetime (a channel's
@@ -312,7 +361,7 @@ class Scaler:
         self._ends_token += 1
         self._ends_expected = anyio.Event()
         await wiring.to_coordinator.send(m.ExpectEnds(markers=ranks, token=self._ends_token))
-        with anyio.fail_after(self._config.startup_timeout):
+        with _within(self._config.startup_timeout, "the coordinator's count of new senders"):
             await self._ends_expected.wait()
 
     def on_ends_expected(self, token: int) -> None:
@@ -355,6 +404,29 @@ class Scaler:
             # Rank numbers are reused by a later scale up; keep each for the final reap.
             for name, process in stopping.items():
                 processes[f"{name} (retired, pid {process.pid})"] = processes.pop(name)
+
+
+# Where a scale failed, by the phase its machine was in, for its error message.
+_PHASES = {
+    ScalePhase.IDLE: "before it started",
+    ScalePhase.STARTING: "during startup",
+    ScalePhase.DRAINING: "while the leaving ranks drained",
+    ScalePhase.PAUSING: "while pausing the ranks",
+    ScalePhase.SWITCHING: "while switching to the new group",
+    ScalePhase.RESIZING: "while resizing the coordinator",
+    ScalePhase.RESUMING: "while resuming the ranks",
+}
+
+
+@contextlib.contextmanager
+def _within(seconds: float, what: str) -> Iterator[None]:
+    """`anyio.fail_after`, whose TimeoutError says what took too long (a bare one reads
+    as an empty cause)."""
+    try:
+        with anyio.fail_after(seconds):
+            yield
+    except TimeoutError:
+        raise TimeoutError(f"{what} did not complete within {seconds} s") from None
 
 
 def _sole(error: BaseException) -> BaseException:

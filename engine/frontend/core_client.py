@@ -45,9 +45,12 @@ class CoreClient(Protocol):
     def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Report the death of a rank (or of what carries its messages) to ``callback``."""
 
-    def root_cause(self, error: EngineDeadError) -> EngineDeadError:
+    async def root_cause(
+        self, error: EngineDeadError, *, in_collective: bool = False
+    ) -> EngineDeadError:
         """The error to report for a rank's failure: a rank's failure is often a peer's
-        death seen from the other side (a broken collective), and the death comes first."""
+        death seen from the other side (a broken collective, `in_collective`), and the
+        death comes first."""
         ...
 
     async def send(self, rank: int, message: Any) -> None: ...

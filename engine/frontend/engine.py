@@ -489,10 +489,12 @@ class FrontEnd:
             m.StepOutputs: self._on_step_outputs,
             m.UtilityResult: self._on_utility_result,
             m.RequestsHeld: self._on_held,
-            m.RankFailed: self._on_rank_failed,
             RankReply: self._weights.on_reply,
         }
         async for message in self._core.outputs():
+            if isinstance(message, m.RankFailed):
+                await self._on_rank_failed(message)
+                continue
             handler = handlers.get(type(message))
             if handler is not None:
                 handler(message)
@@ -571,8 +573,9 @@ class FrontEnd:
             if request_id in self._streams:
                 self._held[request_id] = f"rank {message.rank} is {message.reason}"
 
-    def _on_rank_failed(self, message: m.RankFailed) -> None:
-        self.die(self._core.root_cause(EngineDeadError(message.error)))
+    async def _on_rank_failed(self, message: m.RankFailed) -> None:
+        error = EngineDeadError(message.error)
+        self.die(await self._core.root_cause(error, in_collective=message.in_collective))
 
     # -- bookkeeping -------------------------------------------------------------------
 
