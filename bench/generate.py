@@ -237,6 +237,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     parser.add_argument("--executor", choices=["model", "null"], default="model")
     parser.add_argument("--skip-peer", action="store_true", help="do not run transformers")
+    parser.add_argument(
+        "--weights",
+        choices=("float32", "int8"),
+        default="float32",
+        help="wavecore's weight format (EngineConfig.weights)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "generate.json")
     args = parser.parse_args()
 
@@ -248,6 +254,7 @@ def main() -> None:
     # sequences of up to 640 tokens need 1.8 GiB of float32 KV), as a server would be.
     config = EngineConfig(
         executor=args.executor,
+        weights=args.weights,
         max_num_seqs=64,
         max_num_batched_tokens=2048,
         kv_cache_memory=2**28 if args.quick else KV_CACHE_MEMORY,
@@ -280,6 +287,7 @@ def main() -> None:
             "prompt_tokens": [low, high],
             "new_tokens": new_tokens,
             "greedy": True,
+            "weights": args.weights,
         },
         "rows": rows,
         "headline": summary,

@@ -4,13 +4,16 @@ For each decode batch size B, both sides prefill the same B prompts (token ids,
 `--context` tokens each; not timed), then run greedy decode steps of B tokens:
 - wavecore: `ModelExecutor.execute` (paged KV cache, sampler included);
 - transformers: the model's forward with its own KV cache (`past_key_values`);
-and at batch 1 also transformers `generate`. Two roofs are measured in the same run:
+and at batch 1 also transformers `generate`. With `--weights float32 int8` (the
+default) wavecore runs again with `weights="int8"` (int8 projections and LM head,
+`engine/model/int8_linear.py`), same prompts, same run, as its own column.
+Two roofs are measured in the same run:
 - compute: this machine's float32 matmul rate (a 2048^3 product); a decode step
   costs 2 x parameters x tokens FLOPs, so "roof" is that over the step time, as a
   fraction of the measured GFLOP/s;
 - memory: the rate at which a vector-matrix product streams a 256 MiB float32
   matrix. A batch-1 step must read every weight once, so this rate over the
-  weights' bytes bounds batch-1 decode, whatever the engine.
+  weights' bytes bounds batch-1 decode, whatever the engine (int8: over its bytes).
 Decode rates use the median step time, so a load spike from another process on a
 shared machine moves them little; the load average is recorded with the results.
 
@@ -60,6 +63,17 @@ def stream_gbps(mib: int, repeats: int) -> float:
     matrix = torch.randn(mib * 2**20 // 4 // 1024, 1024)
     vector = torch.randn(1, matrix.shape[0])
     return matrix.numel() * 4 / seconds_per_call(lambda: vector @ matrix, repeats) / 1e9
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass  # not Linux: fall through to platform's answer
+    return platform.processor() or platform.machine()
 
 
 def make_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
@@ -154,6 +168,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=None, help="prompt tokens per sequence")
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--skip-peer", action="store_true", help="wavecore alone")
+    parser.add_argument(
+        "--weights",
+        nargs="+",
+        choices=("float32", "int8"),
+        default=["float32", "int8"],
+        help="wavecore's weight formats to run (float32 is the reference column)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "model.json")
     args = parser.parse_args()
 
@@ -174,17 +195,33 @@ def main() -> None:
     weight_bytes = 4 * (config.num_parameters - embedding)
     bandwidth_roof = bandwidth * 1e9 / weight_bytes
     peer = None if args.skip_peer else load_transformers(args.model, executor)
+    int8 = None
+    if "int8" in args.weights:
+        int8 = load_executor(
+            args.model,
+            device="cpu",
+            kv_cache_memory=args.kv_cache_mib * 2**20,
+            seed=0,
+            weights="int8",
+        )
+    int8_bytes = int8.streamed_weight_bytes if int8 is not None else None
+    int8_roof = bandwidth * 1e9 / int8_bytes if int8_bytes else None
 
     rows = []
     for batch in batches:
         prompts = make_prompts(batch, context, config.vocab_size)
         ours = wavecore_decode(executor, prompts, steps)
         executor.reset_kv_cache()
+        quantized = wavecore_decode(int8, prompts, steps) if int8 is not None else None
+        if int8 is not None:
+            int8.reset_kv_cache()
         theirs = transformers_decode(peer, prompts, steps) if peer is not None else None
         rows.append(
             {
                 "batch": batch,
                 "wavecore_tok_s": ours,
+                "int8_tok_s": quantized,
+                "int8_vs_float32": quantized / ours if quantized else None,
                 "transformers_forward_tok_s": theirs,
                 "speedup": ours / theirs if theirs else None,
                 "wavecore_roof_fraction": ours * flops_per_token / 1e9 / roof,
@@ -203,17 +240,20 @@ def main() -> None:
         return "n/a" if value is None else pattern.format(value)
 
     print(
-        f"model {executor.source.path.name}: {config.num_parameters / 1e6:.1f} M parameters, "
+        f"{cpu_model()}; model {executor.source.path.name}: "
+        f"{config.num_parameters / 1e6:.1f} M parameters, "
         f"context {context}, {torch.get_num_threads()} threads; roofs: fp32 matmul "
         f"{roof:.1f} GFLOP/s, weight streaming {bandwidth:.1f} GB/s"
     )
     print(
-        f"{'batch':>5} {'wavecore tok/s':>15} {'HF forward tok/s':>17} {'ratio':>6} "
-        f"{'wavecore roof':>14} {'HF roof':>8}"
+        f"{'batch':>5} {'wavecore tok/s':>15} {'int8 tok/s':>11} {'int8/f32':>9} "
+        f"{'HF forward tok/s':>17} {'ratio':>6} {'wavecore roof':>14} {'HF roof':>8}"
     )
     for row in rows:
         print(
             f"{row['batch']:>5} {row['wavecore_tok_s']:>15.1f} "
+            f"{show(row['int8_tok_s'], '{:.1f}'):>11} "
+            f"{show(row['int8_vs_float32'], '{:.2f}x'):>9} "
             f"{show(row['transformers_forward_tok_s'], '{:.1f}'):>17} "
             f"{show(row['speedup'], '{:.2f}x'):>6} "
             f"{row['wavecore_roof_fraction']:>14.0%} "
@@ -229,6 +269,12 @@ def main() -> None:
         f"weights per token at {bandwidth:.1f} GB/s); wavecore batch 1 reaches "
         f"{batch_one / bandwidth_roof:.0%} of it"
     )
+    int8_one = rows[0]["int8_tok_s"]
+    if int8_one is not None and int8_bytes and int8_roof:
+        print(
+            f"int8 batch-1 bandwidth roof: {int8_roof:.1f} tok/s ({int8_bytes / 1e6:.0f} MB "
+            f"per token); int8 batch 1 reaches {int8_one / int8_roof:.0%} of it"
+        )
 
     results = {
         "benchmark": "model",
@@ -242,11 +288,15 @@ def main() -> None:
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
         "load_average_at_end": os.getloadavg(),
         "machine": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "matmul_gflops": roof,
         "stream_gbps": bandwidth,
         "weight_bytes_per_token": weight_bytes,
         "batch1_bandwidth_roof_tok_s": bandwidth_roof,
         "wavecore_batch1_bandwidth_fraction": batch_one / bandwidth_roof,
+        "int8_weight_bytes_per_token": int8_bytes,
+        "int8_batch1_bandwidth_roof_tok_s": int8_roof,
+        "int8_batch1_bandwidth_fraction": int8_one / int8_roof if int8_one and int8_roof else None,
         "decode": rows,
         "transformers_generate_batch1_tok_s": generate,
         "wavecore_batch1_vs_generate": batch_one / generate if generate else None,
@@ -255,6 +305,8 @@ def main() -> None:
     args.output.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.output}")
     executor.close()
+    if int8 is not None:
+        int8.close()
 
 
 if __name__ == "__main__":

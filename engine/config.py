@@ -9,6 +9,7 @@ ExecutorKind = Literal["model", "null"]
 Device = Literal["cpu", "cuda", "auto"]
 DPMode = Literal["lockstep", "independent"]
 Transport = Literal["ipc", "tcp"]
+Weights = Literal["float32", "int8"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,6 +38,9 @@ class EngineConfig:
     `max_dp_size` bounds what `scale` may ask for (None: what this machine can hold,
     from its cores and memory and the model's needs; see `engine/dp/capacity.py`).
 
+    `weights="int8"` quantizes the model's projections and LM head to int8 at load
+    (CPU only; faster, a little less exact: see `engine/model/int8_linear.py`);
+    `"float32"`, the default, keeps them as loaded.
 
     `prefill_interval=K` admits new requests only on every K-th step (decodes run every
     step), trading time to first token for steadier inter-token latency; lockstep ranks
@@ -46,6 +50,7 @@ class EngineConfig:
     model: str | None = None
     executor: ExecutorKind = "model"
     device: Device = "auto"
+    weights: Weights = "float32"
     kv_cache_memory: int | float = 512 * 2**20
     block_size: int = 16
     max_num_seqs: int = 64
@@ -70,6 +75,10 @@ class EngineConfig:
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(
                 f"EngineConfig.device must be 'cpu', 'cuda' or 'auto', got {self.device!r}"
+            )
+        if self.weights not in ("float32", "int8"):
+            raise ValueError(
+                f"EngineConfig.weights must be 'float32' or 'int8', got {self.weights!r}"
             )
         memory = self.kv_cache_memory
         if isinstance(memory, bool) or not isinstance(memory, int | float) or memory <= 0:

@@ -70,6 +70,7 @@ class EngineCore:
         executor = load_executor(
             config.model,
             device=config.device,
+            weights=config.weights,
             kv_cache_memory=config.kv_cache_memory,
             block_size=config.block_size,
             max_model_len=config.max_model_len,

@@ -1,6 +1,7 @@
 """`ModelExecutor`: the engine's `Executor` backed by a real Llama-family model.
 
-Construction resolves the model, dequantizes its weights onto the device, sizes the
+Construction resolves the model, dequantizes its weights onto the device (and, with
+`weights="int8"`, quantizes the projections to int8, `weight_format.py`), sizes the
 paged KV cache from a memory budget and precomputes the rotary table. Each
 `execute` plans the batch (checking it first), runs one forward pass for all its
 chunks, and hands the sampling rows' logits to the `Sampler`.
@@ -12,6 +13,7 @@ model thread; `torch.inference_mode` is entered per call because it is thread-lo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Literal, Protocol
@@ -36,6 +38,7 @@ from wavecore.engine.model.llama import LlamaModel
 from wavecore.engine.model.resolve import resolve_model_source
 from wavecore.engine.model.rope import RotaryTable
 from wavecore.engine.model.source import ModelSource
+from wavecore.engine.model.weight_format import WeightFormat, check_weight_format
 from wavecore.engine.model.weight_update import stage_weights, weight_shapes
 from wavecore.engine.model.weights import ModelWeights
 from wavecore.engine.sampling_params import SamplingParams
@@ -85,12 +88,14 @@ class ModelExecutor:
         max_model_len: int | None = None,
         sampler: TokenSampler | None = None,
         seed: int = 0,
+        weights: WeightFormat = "float32",
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self._source = source
         self._device = pick_device(device)
         self._dtype = pick_dtype(self._device)
+        self._weights = check_weight_format(weights, self._device)
         if self._device.type == "cpu":
             _use_all_cores()
         config = source.config
@@ -152,6 +157,17 @@ class ModelExecutor:
         return self._dtype
 
     @property
+    def weights(self) -> WeightFormat:
+        """How the projections are stored: "float32" (the model's dtype) or "int8"."""
+        return self._weights
+
+    @property
+    def streamed_weight_bytes(self) -> int:
+        """Bytes of weights one batch-1 decode step reads (`ModelWeights.streamed_bytes`)."""
+        model, _ = self._ready()
+        return model.weights.streamed_bytes
+
+    @property
     def block_size(self) -> int:
         return self._block_size
 
@@ -187,6 +203,36 @@ class ModelExecutor:
             if plan.num_tokens == 0:
                 return torch.empty(0, self.config.vocab_size)
             return model.forward(plan, cache)
+
+    def score(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """float32 logits `[len, vocab]` at every position of one sequence, prefilled
+        alone in one pass (teacher forcing, for quality measurements). It writes the
+        sequence's KV into the first blocks of the cache: call it only on an executor
+        that no engine is running."""
+        tokens = list(token_ids)
+        if not tokens:
+            raise ValueError("score needs at least one token")
+        model, cache = self._ready()
+        chunk = SequenceChunk(
+            request_id="wavecore-score",
+            token_ids=tuple(tokens),
+            start_pos=0,
+            block_table=tuple(range(-(-len(tokens) // self._block_size))),
+            sample=True,
+            sampling=SamplingParams(),
+            all_token_ids=tuple(tokens),
+            prompt_len=len(tokens),
+        )
+        geometry = CacheGeometry(
+            block_size=self._block_size,
+            num_blocks=self._num_blocks,
+            max_model_len=self._max_model_len,
+            vocab_size=self.config.vocab_size,
+        )
+        with torch.inference_mode():
+            plan = plan_forward((chunk,), geometry, self._device)
+            every_row = torch.arange(len(tokens), device=self._device)
+            return model.forward(dataclasses.replace(plan, sample_rows=every_row), cache)
 
     def execute_dummy(self) -> None:
         model, cache = self._ready()
@@ -290,13 +336,24 @@ class ModelExecutor:
     # -- internals --------------------------------------------------------------------
 
     def _load_weights(self, device: torch.device) -> ModelWeights:
-        return ModelWeights.build(
+        weights = ModelWeights.build(
             self.config,
             self._source.load_tensors(),
             origin=self._source.path,
             device=device,
             dtype=self._dtype,
         )
+        if self._weights == "int8":
+            from wavecore.engine.model.int8_weights import quantize_weights
+            from wavecore.engine.sampling.errors import TokenizerLoadError
+            from wavecore.engine.sampling.tokenizer import Tokenizer
+
+            try:
+                encode = Tokenizer.from_source(self._source).encode
+            except TokenizerLoadError:
+                encode = None  # a model without a usable tokenizer calibrates on bytes
+            weights = quantize_weights(weights, self.config, encode)
+        return weights
 
     def _new_cache(self) -> PagedKVCache:
         return PagedKVCache(
@@ -332,8 +389,10 @@ def load_executor(
     max_model_len: int | None = None,
     sampler: TokenSampler | None = None,
     seed: int = 0,
+    weights: WeightFormat = "float32",
 ) -> ModelExecutor:
-    """Resolve `model` (None: the default SmolLM2 GGUF) and build its executor."""
+    """Resolve `model` (None: the default SmolLM2 GGUF) and build its executor;
+    `weights="int8"` quantizes its projections at load (CPU only)."""
     return ModelExecutor(
         resolve_model_source(model),
         device=device,
@@ -342,4 +401,5 @@ def load_executor(
         max_model_len=max_model_len,
         sampler=sampler,
         seed=seed,
+        weights=weights,
     )

@@ -10,7 +10,11 @@ Only what changed is rebuilt: a layer whose tensors are not in the update is sha
 with the current weights. A partial update may name part of a fused projection (q
 without k and v, gate without up): the untouched rows are read back from the current
 projection by multiplying it with an identity matrix, which is exact in floating point
-(each output is one weight times 1 plus zeros), packed or plain.
+(each output is one weight times 1 plus zeros), packed or plain. An updated int8
+projection is quantized with the calibration of the one it replaces
+(`weight_format.build_projection`); its untouched rows are read back dequantized
+(a one-hot input quantizes exactly) and quantized again, which moves them by at
+most a rounding step.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from wavecore.engine.model.config import ModelConfig
-from wavecore.engine.model.linear import Projection
+from wavecore.engine.model.weight_format import AnyProjection, build_projection
 from wavecore.engine.model.weights import LayerWeights, ModelWeights
 
 _QKV = ("q", "k", "v")
@@ -95,13 +99,13 @@ def stage_weights(
         )
     lm_head, embed = current.lm_head, current.embed
     if config.tie_word_embeddings and "embed" in update:
-        lm_head = builder.projection(update["embed"])
+        lm_head = builder.projection(update["embed"], current.lm_head)
         # As `ModelWeights.build`: a plain head is the embedding's memory, a packed
         # one cannot be gathered by row and needs a plain copy beside it.
         embed = lm_head.weight.t() if not lm_head.packed else builder.place(update["embed"])
     elif not config.tie_word_embeddings:
         if "lm_head" in update:
-            lm_head = builder.projection(update["lm_head"])
+            lm_head = builder.projection(update["lm_head"], current.lm_head)
         if "embed" in update:
             embed = builder.place(update["embed"])
     return ModelWeights(
@@ -117,7 +121,11 @@ class _Builder:
     """Places updated tensors on the model's device and dtype, reusing what is unchanged."""
 
     def __init__(
-        self, update: Mapping[str, torch.Tensor], *, device: torch.device, dtype: torch.dtype
+        self,
+        update: Mapping[str, torch.Tensor],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
         self._update = update
         self._device = device
@@ -127,8 +135,9 @@ class _Builder:
         # Always a copy: the caller's tensors (an in-process update) may change later.
         return tensor.to(device=self._device, dtype=self._dtype, copy=True).contiguous()
 
-    def projection(self, matrix: torch.Tensor) -> Projection:
-        return Projection.build(matrix, device=self._device, dtype=self._dtype)
+    def projection(self, matrix: torch.Tensor, like: AnyProjection) -> AnyProjection:
+        """`matrix` as a projection of the same kind as `like`, the one it replaces."""
+        return build_projection(matrix, device=self._device, dtype=self._dtype, like=like)
 
     def vector(self, old: torch.Tensor, name: str) -> torch.Tensor:
         new = self._update.get(name)
@@ -143,16 +152,16 @@ class _Builder:
         return self.place(torch.cat(self._merged(names, parts)))
 
     def projection_group(
-        self, old: Projection, names: Sequence[str], sizes: Sequence[int]
-    ) -> Projection:
+        self, old: AnyProjection, names: Sequence[str], sizes: Sequence[int]
+    ) -> AnyProjection:
         """A fused projection whose row blocks `names` (of `sizes` rows) may be updated."""
         if not any(name in self._update for name in names):
             return old
         if all(name in self._update for name in names):
-            return self.projection(torch.cat([self._update[name] for name in names]))
+            return self.projection(torch.cat([self._update[name] for name in names]), old)
         eye = torch.eye(old.in_features, device=self._device, dtype=self._dtype)
         rows = old(eye).t()  # [out, in], exactly the current matrix
-        return self.projection(torch.cat(self._merged(names, rows.split(list(sizes)))))
+        return self.projection(torch.cat(self._merged(names, rows.split(list(sizes)))), old)
 
     def _merged(self, names: Sequence[str], current: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [

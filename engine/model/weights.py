@@ -4,7 +4,9 @@ Layout choices, each to cut work per step:
 - q, k and v are one projection to `q + 2*kv` outputs and gate and up one to
   `2*intermediate`, so each layer runs four matrix products, not seven;
 - every matrix is a `Projection` (`linear.py`), stored the way its device multiplies
-  fastest: oneDNN-packed on the CPU, a plain `[in, out]` matrix elsewhere;
+  fastest: oneDNN-packed on the CPU, a plain `[in, out]` matrix elsewhere; with
+  `weights="int8"` the built weights are then quantized (`int8_weights.py`), and
+  each becomes an `Int8Projection`;
 - a tied LM head shares the embedding's memory when it is plain (the embedding is
   its transposed view); a packed head cannot be gathered by row, so the embedding
   then keeps its own plain copy (on SmolLM2-135M, 113 MB more for a faster head).
@@ -21,24 +23,25 @@ import torch
 from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.errors import ModelLoadError
 from wavecore.engine.model.linear import Projection
+from wavecore.engine.model.weight_format import AnyProjection
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: Projection
+    qkv: AnyProjection
     qkv_bias: torch.Tensor | None
-    o: Projection
+    o: AnyProjection
     ffn_norm: torch.Tensor
-    gate_up: Projection
-    down: Projection
+    gate_up: AnyProjection
+    down: AnyProjection
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelWeights:
     layers: tuple[LayerWeights, ...]
     final_norm: torch.Tensor
-    lm_head: Projection  # hidden -> vocab
+    lm_head: AnyProjection  # hidden -> vocab
     embed: torch.Tensor  # [vocab, hidden]; a view of a plain lm_head's matrix when shared
     rope_freqs: torch.Tensor | None  # per-frequency divisors (Llama 3 GGUF files)
 
@@ -54,6 +57,13 @@ class ModelWeights:
         return sum(t.numel() * t.element_size() for t in tensors) + sum(
             p.num_bytes for p in projections
         )
+
+    @property
+    def streamed_bytes(self) -> int:
+        """What a batch-1 step reads: every weight but the embedding, of which it reads
+        one row (a tied embedding that shares the head's memory is read as the head)."""
+        own_embed = 0 if self.shares_embedding else self.embed.numel() * self.embed.element_size()
+        return self.num_bytes - own_embed
 
     @property
     def shares_embedding(self) -> bool:

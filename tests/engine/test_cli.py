@@ -319,3 +319,13 @@ def test_a_stdin_line_that_is_not_utf8_is_rejected_alone() -> None:
     assert [(bad.index, bad.where, bad.message) for bad in inputs.rejected] == [
         (1, "stdin:2", "not valid UTF-8 (byte 1 of the line is 0xff)")
     ]
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_weights_flag_reaches_the_engine_configuration(command: str) -> None:
+    from wavecore.engine.cli.main import _engine_config
+
+    args = build_parser().parse_args([command, "--executor", "null", "--weights", "int8"])
+    assert _engine_config(args).weights == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--weights", "int4"])

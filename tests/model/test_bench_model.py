@@ -28,7 +28,7 @@ def test_quick_bench_writes_results(tiny_hf_dir: Path, tmp_path: Path) -> None:
         check=False,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert "wavecore tok/s" in completed.stdout
+    assert "wavecore tok/s" in completed.stdout and "int8 tok/s" in completed.stdout
     results = json.loads(output.read_text())
     assert [row["batch"] for row in results["decode"]] == [1, 4]
     assert results["matmul_gflops"] > 0 and results["stream_gbps"] > 0
@@ -36,4 +36,7 @@ def test_quick_bench_writes_results(tiny_hf_dir: Path, tmp_path: Path) -> None:
     for row in results["decode"]:
         assert row["wavecore_tok_s"] > 0 and row["transformers_forward_tok_s"] > 0
         assert row["wavecore_roof_fraction"] > 0
+        assert row["int8_tok_s"] > 0 and row["int8_vs_float32"] > 0
+    assert 0 < results["int8_weight_bytes_per_token"] < results["weight_bytes_per_token"]
+    assert results["cpu_model"]
     assert results["transformers_generate_batch1_tok_s"] > 0
