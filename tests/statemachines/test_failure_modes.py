@@ -8,6 +8,7 @@ or simulation: the real protocol must pass, the broken one must be caught.
 from __future__ import annotations
 
 import pytest
+from guarded import assert_guarded
 
 from wavecore.statemachines import (
     PauseMode,
@@ -18,7 +19,7 @@ from wavecore.statemachines import (
     ScaleRequested,
     ScalingMachine,
 )
-from wavecore.statemachines.harness.explore import ExploreConfig, explore
+from wavecore.statemachines.harness.explore import ExploreConfig
 from wavecore.statemachines.harness.invariants import Violation
 from wavecore.statemachines.harness.world import RequestSpec, WorldConfig
 from wavecore.statemachines.scaling import ScalingSnapshot
@@ -39,12 +40,7 @@ def _config(
 
 
 def _assert_guarded(config: ExploreConfig, variant: str, rules: set[str], depth: int = 20) -> None:
-    real = explore(config, depth)
-    assert real.violation is None, real.violation.report() if real.violation else ""
-    broken = explore(config.broken(variant), depth)
-    assert broken.violation is not None, f"{variant} was not caught"
-    assert broken.violation.rule in rules, broken.violation.report()
-    assert broken.violation.trace, "a violation must come with its trace"
+    assert_guarded(config, variant, rules, depth)
 
 
 def test_duplicate_or_stale_wave_complete_is_idempotent() -> None:

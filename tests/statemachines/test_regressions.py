@@ -6,6 +6,7 @@ restores the old behaviour, which must be caught."""
 from __future__ import annotations
 
 import pytest
+from guarded import assert_guarded
 
 from wavecore.statemachines import (
     CoordinatorMachine,
@@ -30,14 +31,6 @@ def _settle(world: World) -> None:
     """Perform the first enabled network move until none is left."""
     while moves := world.network_moves():
         world.apply(moves[0])
-
-
-def _assert_guarded(config: ExploreConfig, variant: str, rules: set[str], depth: int) -> None:
-    real = explore(config, depth)
-    assert real.violation is None, real.violation.report() if real.violation else ""
-    broken = explore(config.broken(variant), depth)
-    assert broken.violation is not None, f"{variant} was not caught"
-    assert broken.violation.rule in rules, broken.violation.report()
 
 
 # -- sleep -------------------------------------------------------------------------------
@@ -67,7 +60,7 @@ def test_a_wake_reply_does_not_answer_the_next_sleep() -> None:
 def test_a_paused_rank_that_answers_a_sleep_without_sleeping_is_caught(dp_size: int) -> None:
     # pause-modes: KEEP, then ABORT while KEEP holds, then a WAIT sleep while ABORT holds.
     config = dict(default_configs(dp_size))["pause-modes"]
-    _assert_guarded(config, "paused_rank_ignores_sleep", {"asleep_view"}, depth=40)
+    assert_guarded(config, "paused_rank_ignores_sleep", {"asleep_view"}, depth=40)
 
 
 def test_a_wake_with_nothing_asleep_leaves_the_client_paused() -> None:
@@ -157,7 +150,7 @@ def test_a_switch_that_keeps_its_own_wave_is_caught() -> None:
 @pytest.mark.parametrize("dp_size", [2, 3])
 def test_a_scale_down_that_never_stops_the_leaving_ranks_is_caught(dp_size: int) -> None:
     _, scale_down = scale_configs(dp_size)[1]
-    _assert_guarded(scale_down, "scale_keeps_leaving_ranks", {"scale_roles"}, depth=40)
+    assert_guarded(scale_down, "scale_keeps_leaving_ranks", {"scale_roles"}, depth=40)
 
 
 def test_a_request_for_the_new_rank_during_a_scale_up() -> None:
@@ -184,7 +177,7 @@ def test_a_pause_while_paused_does_not_loosen_the_frozen_scheduler() -> None:
     # Caught when the loosened rank answers (its admitted requests may run again), or
     # by the forward that follows.
     rules = {"call_contract", "forward_after_pause"}
-    _assert_guarded(config, "repause_loosens_scheduler", rules, depth=14)
+    assert_guarded(config, "repause_loosens_scheduler", rules, depth=14)
 
 
 def test_a_draining_wait_pause_rank_does_not_vote_for_the_pause() -> None:
@@ -193,7 +186,7 @@ def test_a_draining_wait_pause_rank_does_not_vote_for_the_pause() -> None:
         requests=(RequestSpec(rank=1, steps=4),),
         script=(("pause", PauseMode.WAIT),),
     )
-    _assert_guarded(config, "draining_rank_votes", {"call_contract"}, depth=12)
+    assert_guarded(config, "draining_rank_votes", {"call_contract"}, depth=12)
 
 
 def test_an_independent_rank_answers_a_wait_pause_after_its_last_request() -> None:
@@ -202,4 +195,4 @@ def test_an_independent_rank_answers_a_wait_pause_after_its_last_request() -> No
         requests=(RequestSpec(rank=1, steps=2),),
         script=(("pause", PauseMode.WAIT),),
     )
-    _assert_guarded(config, "independent_wait_pause_idles", {"call_unanswered"}, depth=14)
+    assert_guarded(config, "independent_wait_pause_idles", {"call_unanswered"}, depth=14)
