@@ -1,4 +1,5 @@
-"""Data-parallel engine throughput and pause latency, with the null executor.
+"""Data-parallel engine throughput and pause latency, with the null executor (and,
+with `--executor model`, the real model at dp 2).
 
 Workload: `--requests` requests of `--max-tokens` tokens each, all submitted at once,
 through the full DP path (client tokenizing and detokenizing, nng channels, rank
@@ -18,7 +19,8 @@ rank starts a non-blocking all-reduce of its pause vote at each step and reads i
 the next, so a pause that reached every rank is agreed one forward later and holds
 after at most two.
 
-Usage: python bench/dp.py [--quick] [--requests N] [--max-tokens N] [--output PATH]
+Usage: python bench/dp.py [--quick] [--executor null|model] [--requests N] [--max-tokens N]
+       [--output PATH]
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ TARGET_LOCKSTEP_RATIO = 0.9
 TARGET_PAUSE_FORWARDS = 2
 
 
-def _config(dp_size: int, mode: str, max_num_seqs: int) -> EngineConfig:
+def _config(dp_size: int, mode: str, args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        executor="null",
+        executor=args.executor,
         dp_size=dp_size,
         dp_mode=mode,  # type: ignore[arg-type]
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(2048, max_num_seqs * 16),
-        kv_cache_memory=2**30,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(2048, args.max_num_seqs * 16),
+        # The real model's cache: enough for its requests, not a GiB per rank.
+        kv_cache_memory=2**30 if args.executor == "null" else 256 * 2**20,
         startup_timeout=120.0,
     )
 
@@ -121,7 +124,7 @@ async def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for dp_size in args.dp_sizes:
         for mode in ("independent", "lockstep"):
-            config = _config(dp_size, mode, args.max_num_seqs)
+            config = _config(dp_size, mode, args)
             async with open_dp_engine(config) as engine:
                 await _throughput(engine, max(2, args.requests // 8), 4)  # warm-up
                 row: dict[str, Any] = {"dp_size": dp_size, "mode": mode}
@@ -194,10 +197,21 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--executor",
+        choices=["null", "model"],
+        default="null",
+        help="model: the real model at dp 2, 16 requests of 32 tokens (results/dp_model.json)",
+    )
+    parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     args.dp_sizes = (1, 2, 4)
     args.pause_repeats = 5
+    if args.executor == "model":
+        args.dp_sizes, args.requests, args.max_tokens, args.pause_repeats = (2,), 16, 32, 3
+        args.max_num_seqs = 16
+    if args.output is None:
+        args.output = RESULTS.with_name("dp_model.json") if args.executor == "model" else RESULTS
     if args.quick:
         args.dp_sizes, args.requests, args.max_tokens, args.pause_repeats = (2,), 8, 8, 1
     rows = anyio.run(_measure, args)
@@ -206,6 +220,7 @@ def main() -> None:
     result = {
         "benchmark": "dp",
         "quick": args.quick,
+        "executor": args.executor,
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "targets": {

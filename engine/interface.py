@@ -32,6 +32,11 @@ class CoreStats:
     # Prompt tokens looked up in, and found in, the prefix cache since start.
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # Bytes held now: weights where the rank computes, weights kept in host memory while
+    # asleep at level 1, the KV cache (what a sleep frees, and a wake takes back).
+    weights_bytes: int
+    offloaded_weights_bytes: int
+    kv_cache_bytes: int
     num_kv_blocks: int
     block_size: int
     paused: str | None

@@ -195,6 +195,7 @@ class EngineCore:
     def stats(self, *, paused: PauseMode | None, asleep: frozenset[str]) -> CoreStats:
         """This core's figures, with the protocol state the rank machine holds."""
         scheduler = self.scheduler.stats()
+        memory = self.executor.memory()
         return CoreStats(
             num_waiting=scheduler.num_waiting,
             num_running=scheduler.num_running,
@@ -202,6 +203,9 @@ class EngineCore:
             prefix_cache_hit_rate=scheduler.prefix_cache_hit_rate,
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
+            weights_bytes=memory.weights,
+            offloaded_weights_bytes=memory.offloaded_weights,
+            kv_cache_bytes=memory.kv_cache,
             num_kv_blocks=self.executor.num_kv_blocks,
             block_size=self.executor.block_size,
             paused=None if paused is None else paused.value,

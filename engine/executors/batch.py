@@ -75,6 +75,16 @@ class ModelOutput:
     sampled: tuple[SampledToken, ...]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecutorMemory:
+    """Bytes an executor holds now: its weights where it computes, weights kept in host
+    memory while asleep (level 1), and its KV cache."""
+
+    weights: int
+    offloaded_weights: int
+    kv_cache: int
+
+
 class Executor(Protocol):
     """Runs forward passes. Every method is called from the engine's worker thread."""
 
@@ -99,5 +109,7 @@ class Executor(Protocol):
         """Restore what `tags` names among {"weights", "kv_cache"}."""
 
     def reset_kv_cache(self) -> None: ...
+
+    def memory(self) -> ExecutorMemory: ...
 
     def close(self) -> None: ...

@@ -28,11 +28,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from wavecore.engine.errors import WeightUpdateError, WeightUpdateRefusedError
-from wavecore.engine.executors.batch import EXECUTOR_TAGS, ModelBatch, ModelOutput, SequenceChunk
+from wavecore.engine.executors.batch import (
+    EXECUTOR_TAGS,
+    ExecutorMemory,
+    ModelBatch,
+    ModelOutput,
+    SequenceChunk,
+)
 from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosedError
 from wavecore.engine.executors.rpc import remote_callable
 from wavecore.engine.executors.weight_specs import check_update
 from wavecore.engine.scheduler.fast_build import build_sampled
+
+# `token_shift`, one float32.
+_TOKEN_SHIFT_BYTES = 4
 
 
 class KVCacheMismatchError(RuntimeError):
@@ -204,6 +213,14 @@ class NullExecutor:
         if "kv_cache" in tags and not self._kv_awake:
             self._kv_awake = True
             self._kv = self._empty_kv()
+
+    def memory(self) -> ExecutorMemory:
+        """Its one weight while awake; it holds no KV cache (token lists at most)."""
+        return ExecutorMemory(
+            weights=_TOKEN_SHIFT_BYTES if self._weights_awake else 0,
+            offloaded_weights=0,
+            kv_cache=0,
+        )
 
     def reset_kv_cache(self) -> None:
         self._check_open("reset_kv_cache")

@@ -23,6 +23,7 @@ import torch
 from wavecore.engine.errors import WeightUpdateRefusedError
 from wavecore.engine.executors.batch import (
     EXECUTOR_TAGS,
+    ExecutorMemory,
     ModelBatch,
     ModelOutput,
     SampledToken,
@@ -290,6 +291,13 @@ class ModelExecutor:
             self._model = LlamaModel(self.config, weights, self._rotary)
         if "kv_cache" in tags and self._cache is None:
             self._cache = self._new_cache()
+
+    def memory(self) -> ExecutorMemory:
+        return ExecutorMemory(
+            weights=self._model.weights.num_bytes if self._model is not None else 0,
+            offloaded_weights=self._offloaded.num_bytes if self._offloaded is not None else 0,
+            kv_cache=self._cache.num_bytes if self._cache is not None else 0,
+        )
 
     def reset_kv_cache(self) -> None:
         self._check_open()

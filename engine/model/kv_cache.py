@@ -79,6 +79,10 @@ class PagedKVCache:
             torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)
         ]
 
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
     def write(
         self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:

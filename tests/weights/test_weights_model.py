@@ -185,10 +185,20 @@ async def test_sleep_update_wake_equals_fresh_b(
     }
     save_file(hf_names, str(tmp_path / "model.safetensors"))
     with anyio.fail_after(HANG_GUARD):
+        awake = (await engine.stats()).ranks[0].core
         await engine.sleep(level)
+        asleep = (await engine.stats()).ranks[0].core
         await engine.wake_up(["weights"])
+        weights_only = (await engine.stats()).ranks[0].core
+        # What the sleep freed and each wake took back.
+        assert awake.weights_bytes > 500 * 2**20 and awake.kv_cache_bytes >= 64 * 2**20
+        assert asleep.weights_bytes == asleep.kv_cache_bytes == 0
+        assert asleep.offloaded_weights_bytes == (awake.weights_bytes if level == 1 else 0)
+        assert weights_only.weights_bytes == awake.weights_bytes
+        assert weights_only.offloaded_weights_bytes == weights_only.kv_cache_bytes == 0
         # Level 2 reloaded the model file: its weights are no longer those of "A".
         assert engine.weight_version == ("A" if level == 1 else None)
         await engine.update_weights(tmp_path, version="B", partial=True)
         await engine.wake_up(["kv_cache", "scheduling"])
+        assert (await engine.stats()).ranks[0].core.kv_cache_bytes == awake.kv_cache_bytes
         assert await greedy(engine, PROMPT) == await greedy(engine_b, PROMPT)
