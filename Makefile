@@ -41,7 +41,11 @@ bench: $(STAMP)
 	$(BIN)/python bench/scheduler.py
 	$(BIN)/python bench/generate.py
 	$(BIN)/python bench/dp.py
+	$(BIN)/python bench/dp.py --executor model
 	$(BIN)/python bench/scale.py
+	$(BIN)/python bench/serve.py
+	$(BIN)/python bench/weights.py
+	$(BIN)/python bench/int8_quality.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -241,8 +241,11 @@ def main() -> None:
     if model_rates:
         engine = ["--max-num-seqs", "64", "--kv-cache-memory", str(KV_CACHE_MEMORY)]
         prompts = make_prompts(count, 16, 512, 49152)
-        with running_server(engine) as server:
+        with running_server([*engine, "--enable-admin-api"]) as server:
             for rate in model_rates:
+                # Every rate sends the same prompts: each starts from an empty prefix
+                # cache, as the in-process engine below does.
+                httpx.post(f"{server.url}/reset_prefix_cache", timeout=60).raise_for_status()
                 rows.append(
                     row("model", rate, anyio.run(run_rate, server.url, prompts, new_tokens, rate))
                 )
