@@ -1,6 +1,8 @@
 """Scales that cannot hurt serving (issue 15): a size beyond the machine is refused
-before anything starts, a new rank that dies is named with its cause and the scale is
-rolled back, and a scale up logs no dropped frame. Null-executor ranks in processes."""
+before anything starts, a new rank that dies at the commit is named with its cause and
+the scale is rolled back (one that dies while it loads: test_dp_exit_causes and
+test_dp_scaling), and a scale up logs no dropped frame. Null-executor ranks in
+processes."""
 
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens
 from wavecore.engine import messages as m
 from wavecore.engine.api import Engine, open_dp_engine
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.dp.capacity import RANK_PROCESS_BYTES, RANKS_PER_CORE, dp_capacity
 from wavecore.engine.dp.exit_status import wait_for_exits
 from wavecore.engine.errors import ScalingFailedError, ScalingRefusedError
@@ -36,16 +37,6 @@ from wavecore.statemachines import (
 )
 
 pytestmark = pytest.mark.anyio
-
-KILL_BUILD_ENV = "WAVECORE_TEST_KILL_RANK_BUILD"
-
-
-def build_core_killed_when_asked(config: EngineConfig) -> EngineCore:
-    """A rank spawned while KILL_BUILD_ENV is set (spawn copies the environment) is
-    SIGKILLed while it loads: a death during startup, at a known point."""
-    if os.environ.get(KILL_BUILD_ENV):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return EngineCore.from_config(config)
 
 
 def rank_processes(engine: Engine) -> dict[str, int | None]:
@@ -114,29 +105,6 @@ async def test_a_chosen_max_dp_size_is_the_limit() -> None:
                 await engine.scale(3)
             await engine.scale(2)
             assert engine.dp_size == 2
-            await serves_on_every_rank(engine)
-
-
-async def test_a_new_rank_killed_during_startup_is_named_and_the_scale_rolled_back(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    with anyio.fail_after(HANG_GUARD):
-        async with open_dp_engine(
-            null_config(dp_size=1), build_core=build_core_killed_when_asked
-        ) as engine:
-            running = engine.generate("survivor", SamplingParams(max_tokens=30))
-            first = await running.__anext__()
-            monkeypatch.setenv(KILL_BUILD_ENV, "1")
-            with pytest.raises(ScalingFailedError) as failed:
-                await engine.scale(2)
-            monkeypatch.delenv(KILL_BUILD_ENV)
-            message = str(failed.value)
-            assert "rolled back (still 1 ranks)" in message
-            assert "new rank 1 exited during startup: killed by SIGKILL" in message
-            assert engine.dp_size == 1
-            rest = [delta async for delta in running]
-            assert tokens_of([first, *rest]) == expected_tokens("survivor", 30)
-            await engine.scale(2)
             await serves_on_every_rank(engine)
 
 

@@ -31,22 +31,22 @@ def test_every_interleaving_of_the_small_configurations_holds(
         assert result.states > 50, f"{name} explored suspiciously little"
 
 
-def test_a_request_with_a_pause_and_a_duplicate_resume_holds_to_depth_20() -> None:
+def test_a_request_with_a_pause_and_a_duplicate_resume_holds_to_depth_16() -> None:
     # The same search guards failure mode 7 in test_failure_modes: it runs once.
-    result = explored(dict(default_configs(2))["request-and-pause"], 20)
+    result = explored(dict(default_configs(2))["request-and-pause"], 16)
     assert result.violation is None, result.violation.report() if result.violation else ""
-    assert result.depth == 20
+    assert result.depth == 16
 
 
 def test_command_line_reports_no_violation_and_exit_zero(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     others = [name for name, _ in default_configs(2) if name != "request-and-pause"]
-    argv = ["--dp", "2", "--depth", "20"]
+    argv = ["--dp", "2", "--depth", "12"]
     assert main([*argv, *(arg for name in others for arg in ("--scenario", name))]) == 0
     out = capsys.readouterr().out
     assert "no violation" in out
-    assert "sleep-keep-wake: dp=2 sync_interval=1 depth=20 states explored" in out
+    assert "sleep-keep-wake: dp=2 sync_interval=1 depth=12 states explored" in out
 
 
 def test_command_line_explores_only_the_scenarios_named(

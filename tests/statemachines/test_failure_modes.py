@@ -39,13 +39,13 @@ def _config(
     return ExploreConfig(world=world, requests=requests, script=script)
 
 
-def _assert_guarded(config: ExploreConfig, variant: str, rules: set[str], depth: int = 20) -> None:
+def _assert_guarded(config: ExploreConfig, variant: str, rules: set[str], depth: int = 16) -> None:
     assert_guarded(config, variant, rules, depth)
 
 
 def test_duplicate_or_stale_wave_complete_is_idempotent() -> None:
     config = _config(requests=(), script=(PAUSE_KEEP, ("resume",), PAUSE_KEEP), duplicate=True)
-    _assert_guarded(config, "stale_wave_complete", {"coordinator_wave"})
+    _assert_guarded(config, "stale_wave_complete", {"coordinator_wave"}, depth=22)
 
 
 def test_zero_token_step_with_work_still_runs_a_dummy_forward() -> None:
