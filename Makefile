@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/wavecore generate --demo
 
 # Every scenario of the explorer at dp 2 and dp 3, depth 40 (two to three minutes
-# each on 2 cores); `make test` runs the dp 2 ones at depth 20 and the small dp 3 ones.
+# each on 2 cores); `make test` runs them shallower (see the README).
 check-protocol: $(STAMP)
 	$(BIN)/python -m wavecore.statemachines.sim --dp 2 --depth 40
 	$(BIN)/python -m wavecore.statemachines.sim --dp 3 --depth 40
