@@ -10,6 +10,7 @@ Device = Literal["cpu", "cuda", "auto"]
 DPMode = Literal["lockstep", "independent"]
 Transport = Literal["ipc", "tcp"]
 Weights = Literal["float32", "int8"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,7 +41,8 @@ class EngineConfig:
 
     `weights="int8"` quantizes the model's projections and LM head to int8 at load
     (CPU only; faster, a little less exact: see `engine/model/int8_linear.py`);
-    `"float32"`, the default, keeps them as loaded.
+    `"float32"`, the default, keeps them as loaded. `dtype` is the compute dtype:
+    "auto" (the default) is float32 on the CPU and bfloat16 (else float16) on a GPU.
 
     `prefill_interval=K` admits new requests only on every K-th step (decodes run every
     step), trading time to first token for steadier inter-token latency; lockstep ranks
@@ -51,6 +53,7 @@ class EngineConfig:
     executor: ExecutorKind = "model"
     device: Device = "auto"
     weights: Weights = "float32"
+    dtype: DType = "auto"
     kv_cache_memory: int | float = 512 * 2**20
     block_size: int = 16
     max_num_seqs: int = 64
@@ -79,6 +82,11 @@ class EngineConfig:
         if self.weights not in ("float32", "int8"):
             raise ValueError(
                 f"EngineConfig.weights must be 'float32' or 'int8', got {self.weights!r}"
+            )
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                "EngineConfig.dtype must be 'auto', 'float32', 'bfloat16' or 'float16', "
+                f"got {self.dtype!r}"
             )
         memory = self.kv_cache_memory
         if isinstance(memory, bool) or not isinstance(memory, int | float) or memory <= 0:

@@ -38,6 +38,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             executor=args.executor,
             device=args.device,
             weights=args.weights,
+            dtype=args.dtype,
             kv_cache_memory=memory,
             max_num_seqs=args.max_num_seqs,
             dp_size=args.dp,
@@ -338,6 +339,12 @@ def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGro
         default="float32",
         help="int8: quantized projections, faster on the CPU, a little less exact",
     )
+    engine.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="compute dtype (auto: float32 on the CPU, bfloat16 or float16 on a GPU)",
+    )
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument(
         "--kv-cache-memory",
@@ -407,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--executor", choices=["model", "null"], default="model")
     rank.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     rank.add_argument("--weights", choices=["float32", "int8"], default="float32")
+    rank.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     rank.add_argument("--max-num-seqs", type=int, default=64)
     rank.add_argument("--kv-cache-memory", type=_memory, default=512 * 2**20)
     return parser

@@ -71,6 +71,7 @@ class EngineCore:
             config.model,
             device=config.device,
             weights=config.weights,
+            dtype=config.dtype,
             kv_cache_memory=config.kv_cache_memory,
             block_size=config.block_size,
             max_model_len=config.max_model_len,

@@ -32,6 +32,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# On a GPU, cuDNN's fused attention builds an execution plan for every new shape, and a
+# decode's context grows by one token a step: measured on an H200, 40 ms a step for
+# plans against 8 ms for the whole step without them. The other fused kernels take any
+# length as it comes.
+_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,6 +80,19 @@ def paged_attention(
 
     The pools must already hold this pass's keys and values.
     """
+    if queries.is_cuda:
+        with sdpa_kernel(_CUDA_BACKENDS):
+            return _attend(queries, key_pool, value_pool, plan, scale)
+    return _attend(queries, key_pool, value_pool, plan, scale)
+
+
+def _attend(
+    queries: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:
     if len(plan.decodes) == 1 and not plan.prefills:
         return _decode(queries, key_pool, value_pool, plan.decodes[0], scale)
     out = torch.empty_like(queries)

@@ -45,6 +45,8 @@ from wavecore.engine.model.weights import ModelWeights
 from wavecore.engine.sampling_params import SamplingParams
 
 DeviceSpec = Literal["cpu", "cuda", "auto"] | str | torch.device
+DTypeSpec = Literal["auto", "float32", "bfloat16", "float16"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
 
 
@@ -65,11 +67,19 @@ def pick_device(device: DeviceSpec) -> torch.device:
     return resolved
 
 
-def pick_dtype(device: torch.device) -> torch.dtype:
-    # Reduced precision is hundreds of times slower on CPUs without native support.
-    if device.type == "cpu":
-        return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+def pick_dtype(device: torch.device, dtype: DTypeSpec = "auto") -> torch.dtype:
+    """The activations' and weights' dtype: `dtype` as named, or for "auto" float32 on
+    the CPU (reduced precision is hundreds of times slower on CPUs without native
+    support) and bfloat16 on a GPU that has it (else float16)."""
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    if dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"dtype 'bfloat16' was asked for, but {device} does not support it")
+    return _DTYPES[dtype]
 
 
 def _use_all_cores() -> None:
@@ -90,13 +100,18 @@ class ModelExecutor:
         sampler: TokenSampler | None = None,
         seed: int = 0,
         weights: WeightFormat = "float32",
+        dtype: DTypeSpec = "auto",
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self._source = source
         self._device = pick_device(device)
-        self._dtype = pick_dtype(self._device)
+        self._dtype = pick_dtype(self._device, dtype)
         self._weights = check_weight_format(weights, self._device)
+        if self._weights == "int8" and self._dtype != torch.float32:
+            raise ValueError(
+                f"weights='int8' computes in float32; dtype {dtype!r} cannot go with it"
+            )
         if self._device.type == "cpu":
             _use_all_cores()
         config = source.config
@@ -398,9 +413,11 @@ def load_executor(
     sampler: TokenSampler | None = None,
     seed: int = 0,
     weights: WeightFormat = "float32",
+    dtype: DTypeSpec = "auto",
 ) -> ModelExecutor:
     """Resolve `model` (None: the default SmolLM2 GGUF) and build its executor;
-    `weights="int8"` quantizes its projections at load (CPU only)."""
+    `weights="int8"` quantizes its projections at load (CPU only); `dtype` is the
+    compute dtype ("auto": float32 on the CPU, bfloat16 or float16 on a GPU)."""
     return ModelExecutor(
         resolve_model_source(model),
         device=device,
@@ -410,4 +427,5 @@ def load_executor(
         sampler=sampler,
         seed=seed,
         weights=weights,
+        dtype=dtype,
     )

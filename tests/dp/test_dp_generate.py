@@ -106,16 +106,21 @@ async def test_leaving_a_stream_early_aborts_it_on_its_rank(engine: Engine) -> N
     assert stats.ranks[0].core.num_waiting == 0
 
 
+async def ranks_at_rest(engine: Engine) -> list:
+    """The ranks' reports once no rank runs a wave (an earlier test's wave may still be
+    running: it ends at a vote once nobody has work left)."""
+    while True:
+        stats = await engine.stats()
+        if not any(report.counters.running for report in stats.ranks):
+            return stats.ranks
+
+
 async def test_idle_rank_runs_dummy_batches_and_waves_end_together(engine: Engine) -> None:
-    before = (await engine.stats()).ranks
     with anyio.fail_after(HANG_GUARD):
+        before = await ranks_at_rest(engine)
         deltas = await collect(engine, "wave", SamplingParams(max_tokens=12), dp_rank=0)
         assert tokens_of(deltas) == expected_tokens("wave", 12)
-        while True:  # the wave ends at a sync once nobody has work left
-            stats = await engine.stats()
-            if not any(report.counters.running for report in stats.ranks):
-                break
-    after = stats.ranks
+        after = await ranks_at_rest(engine)
     assert after[1].counters.dummy_steps > before[1].counters.dummy_steps
     assert after[0].counters.real_steps >= before[0].counters.real_steps + 12
     assert after[0].counters.wave == after[1].counters.wave > before[0].counters.wave

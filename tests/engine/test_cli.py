@@ -322,10 +322,15 @@ def test_a_stdin_line_that_is_not_utf8_is_rejected_alone() -> None:
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
-def test_the_weights_flag_reaches_the_engine_configuration(command: str) -> None:
+def test_the_weights_and_dtype_flags_reach_the_engine_configuration(command: str) -> None:
     from wavecore.engine.cli.main import _engine_config
 
-    args = build_parser().parse_args([command, "--executor", "null", "--weights", "int8"])
-    assert _engine_config(args).weights == "int8"
+    args = build_parser().parse_args(
+        [command, "--executor", "null", "--weights", "int8", "--dtype", "float32"]
+    )
+    assert (_engine_config(args).weights, _engine_config(args).dtype) == ("int8", "float32")
+    assert _engine_config(build_parser().parse_args([command])).dtype == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--weights", "int4"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--dtype", "float64"])

@@ -3,11 +3,13 @@
 Tiny synthetic models are written once per session. The real model (SmolLM2-135M)
 and the transformers reference are each loaded once per session, since dequantizing
 takes seconds; tests that use them are marked `model` and skip when the default
-model package is absent.
+model package is absent. `WAVECORE_TEST_DEVICE=cuda` runs the real model and its
+reference on the GPU, both in float32 (`bench/device_check.sh` does).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,10 +79,17 @@ def smollm_path() -> Path:
         pytest.skip(f"default model unavailable: {error}")
 
 
+REFERENCE_DEVICE = os.environ.get("WAVECORE_TEST_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="session")
 def smollm_executor(smollm_path: Path) -> Iterator[ModelExecutor]:
     executor = load_executor(
-        str(smollm_path), device="cpu", kv_cache_memory=160 * 2**20, sampler=ArgmaxSampler()
+        str(smollm_path),
+        device=REFERENCE_DEVICE,
+        dtype="float32",
+        kv_cache_memory=160 * 2**20,
+        sampler=ArgmaxSampler(),
     )
     yield executor
     executor.close()
@@ -92,5 +101,5 @@ def hf_reference(smollm_path: Path):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.float32
     )
-    model.eval()
+    model.to(REFERENCE_DEVICE).eval()
     return model

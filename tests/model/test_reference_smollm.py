@@ -81,7 +81,9 @@ def reference_logits(hf_reference, prompts, continuations) -> list[torch.Tensor]
     """
     with torch.inference_mode():
         return [
-            hf_reference(torch.tensor([prompt + ours[:-1]])).logits[0, len(prompt) - 1 :]
+            hf_reference(torch.tensor([prompt + ours[:-1]], device=hf_reference.device)).logits[
+                0, len(prompt) - 1 :
+            ]
             for prompt, ours in zip(prompts, continuations, strict=True)
         ]
 
