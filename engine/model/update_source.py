@@ -20,9 +20,8 @@ import torch
 
 from wavecore.engine.errors import WeightUpdateError
 from wavecore.engine.model.errors import ModelLoadError
+from wavecore.engine.model.gguf_format import GGUF_MAGIC, read_magic
 from wavecore.engine.model.hf_directory import canonical_tensor_name
-
-_GGUF_MAGIC = b"GGUF"
 
 
 def canonical_tensors(tensors: Mapping[str, Any], origin: str) -> dict[str, torch.Tensor]:
@@ -59,11 +58,10 @@ def read_update_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     if not location.is_file():
         raise WeightUpdateError(f"{location}: no such weight file or directory")
     try:
-        with location.open("rb") as handle:
-            magic = handle.read(4)
+        magic = read_magic(location)
     except OSError as error:
         raise WeightUpdateError(f"{location}: cannot be read ({error})") from error
-    if magic == _GGUF_MAGIC:
+    if magic == GGUF_MAGIC:
         return _read_gguf(location)
     return _read_safetensors(location)
 
