@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench check-protocol clean
+.PHONY: test demo lint bench check-protocol soak clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ check-protocol: $(STAMP)
 	$(BIN)/python -m wavecore.statemachines.sim --dp 2 --depth 40
 	$(BIN)/python -m wavecore.statemachines.sim --dp 3 --depth 40
 
+# Random rank kills and stops under load with on_rank_failure="shrink": SOAK_SEEDS seeds
+# per DP mode (`make test` runs two).
+soak: SOAK_SEEDS ?= 50
+soak: $(STAMP)
+	SOAK_SEEDS=$(SOAK_SEEDS) $(BIN)/python -m pytest tests/dp/test_dp_rank_loss.py -k random -q
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -40,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/model.py
 	$(BIN)/python bench/scheduler.py
 	$(BIN)/python bench/generate.py
+	$(BIN)/python bench/batch_queue.py
 	$(BIN)/python bench/dp.py
 	$(BIN)/python bench/dp.py --executor model
 	$(BIN)/python bench/scale.py

@@ -7,7 +7,8 @@ prompts (token ids of mixed lengths), same number of output tokens, greedy:
 For C in the concurrency sweep both run, each measurement in a fresh process; the
 headline compares wavecore at C=64 against transformers at its best batch size.
 Prints a table, writes bench/results/generate.json and plots throughput against
-concurrency as a PNG.
+concurrency as a PNG; both name the CPU and the projection kernels wavecore chose
+(`engine/model/kernel_choice.py`; `WAVECORE_KERNELS` forces them).
 
 `--quick` shrinks everything for a smoke test; `--executor null --skip-peer` times the
 engine alone without a model.
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from machine import describe  # bench/machine.py, beside this script
 
 from wavecore.engine.api import open_engine
 from wavecore.engine.cli.latency import RequestTimer, RunSummary
@@ -50,7 +52,8 @@ def make_prompts(count: int, low: int, high: int, vocab: int, seed: int = 0) -> 
 
 async def run_wavecore(
     config: EngineConfig, prompts: list[list[int]], new_tokens: int, concurrency: int
-) -> RunSummary:
+) -> tuple[RunSummary, dict[str, str]]:
+    """The run's figures and the rank's kernel report (CPU, kernel per shape class)."""
     params = SamplingParams(
         max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, ignore_eos=True
     )
@@ -76,9 +79,11 @@ async def run_wavecore(
             for prompt in prompts:
                 tg.start_soon(one, prompt)
         seconds = time.perf_counter() - start
-    return RunSummary.of(
+        kernels = (await engine.stats()).ranks[0].kernels
+    summary = RunSummary.of(
         timers, prompt_tokens=sum(map(len, prompts)), output_tokens=outputs, seconds=seconds
     )
+    return summary, kernels
 
 
 def _step_clock(timers: list[RequestTimer]):  # type: ignore[no-untyped-def]
@@ -148,9 +153,9 @@ def measure(
 ) -> dict[str, Any]:
     """One row of the table, measured in the calling process."""
     if system == "wavecore":
-        summary = anyio.run(run_wavecore, config, prompts, new_tokens, concurrency)
-    else:
-        summary = TransformersPeer().run(prompts, new_tokens, concurrency)
+        summary, kernels = anyio.run(run_wavecore, config, prompts, new_tokens, concurrency)
+        return {**row(system, concurrency, summary), "kernels": kernels}
+    summary = TransformersPeer().run(prompts, new_tokens, concurrency)
     return row(system, concurrency, summary)
 
 
@@ -272,16 +277,15 @@ def main() -> None:
         print_table(rows[-len(systems) :])
 
     summary = headline(rows)
+    kernels = next((r["kernels"] for r in rows if "kernels" in r), {})
     print()
+    print(f"{describe()['cpu']}; wavecore kernels: {kernels or 'n/a'}")
     print_table(rows)
     print(json.dumps(summary, indent=2))
 
     result = {
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": __import__("os").cpu_count(),
-        },
+        "machine": {**describe(), "platform": platform.platform()},
+        "kernels": kernels,
         "workload": {
             "prompts": count,
             "prompt_tokens": [low, high],

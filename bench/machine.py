@@ -1,24 +1,15 @@
 """The machine a benchmark ran on, named in every result: figures from one CPU do not
-carry over to another (a kernel tuned on an AMD EPYC ran 1.5x slower on an Intel Xeon)."""
+carry over to another (a kernel tuned on an AMD EPYC ran 1.5x slower on an Intel Xeon).
+The CPU's name comes from the engine's kernel choice, which keys its cache by it."""
 
 from __future__ import annotations
 
 import os
 import platform
-from pathlib import Path
 
+from wavecore.engine.model.kernel_choice import cpu_name
 
-def cpu_name() -> str:
-    """The CPU's model name as the kernel reports it, or the architecture if unknown."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return value.strip()
-    return platform.processor() or platform.machine()
+__all__ = ["cpu_name", "describe"]
 
 
 def describe() -> dict[str, object]:

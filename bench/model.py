@@ -17,6 +17,12 @@ Two roofs are measured in the same run:
 Decode rates use the median step time, so a load spike from another process on a
 shared machine moves them little; the load average is recorded with the results.
 
+Kernels: wavecore picks a projection kernel per shape class on the machine at hand
+(`engine/model/kernel_choice.py`). Batch-1 decode runs with the chosen kernels and
+with each kernel forced (`WAVECORE_KERNELS`), executors side by side, in alternating
+rounds (the median round counts), each as tokens/s and as a share of the bandwidth
+roof. The CPU model and the chosen kernels are printed and written with the results.
+
 Prints a table, writes bench/results/model.json. `--quick` shrinks everything for a
 smoke test; `--model` takes any model spec (a GGUF file or a Hugging Face directory).
 """
@@ -26,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import time
@@ -35,9 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import cpu_name  # bench/machine.py, beside this script
 
 from wavecore.engine.executors.batch import ModelBatch, SequenceChunk
 from wavecore.engine.model import ModelExecutor, load_executor
+from wavecore.engine.model.kernel_plan import FORCE_ENV
 from wavecore.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -65,15 +72,32 @@ def stream_gbps(mib: int, repeats: int) -> float:
     return matrix.numel() * 4 / seconds_per_call(lambda: vector @ matrix, repeats) / 1e9
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows."""
+FORCED_KERNELS = ("blas", "onednn")
+
+
+def load_forced(kernel: str | None, **kwargs: Any) -> ModelExecutor:
+    """An executor with `kernel` forced for every shape class (None: chosen as usual)."""
+    previous = os.environ.pop(FORCE_ENV, None)
+    if kernel is not None:
+        os.environ[FORCE_ENV] = kernel
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass  # not Linux: fall through to platform's answer
-    return platform.processor() or platform.machine()
+        return load_executor(**kwargs)
+    finally:
+        os.environ.pop(FORCE_ENV, None)
+        if previous is not None:
+            os.environ[FORCE_ENV] = previous
+
+
+def kernels_batch1(
+    executors: dict[str, ModelExecutor], prompt: list[int], steps: int, rounds: int
+) -> dict[str, float]:
+    """Batch-1 decode tokens/s of each executor: the median of `rounds` alternating runs."""
+    rates: dict[str, list[float]] = {name: [] for name in executors}
+    for _ in range(rounds):
+        for name, executor in executors.items():
+            rates[name].append(wavecore_decode(executor, [prompt], steps))
+            executor.reset_kv_cache()
+    return {name: statistics.median(values) for name, values in rates.items()}
 
 
 def make_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
@@ -175,6 +199,9 @@ def main() -> None:
         default=["float32", "int8"],
         help="wavecore's weight formats to run (float32 is the reference column)",
     )
+    parser.add_argument(
+        "--skip-kernels", action="store_true", help="no batch-1 run per forced kernel"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "model.json")
     args = parser.parse_args()
 
@@ -184,9 +211,8 @@ def main() -> None:
     roof = matmul_gflops(512 if args.quick else 2048, 2 if args.quick else 10)
     bandwidth = stream_gbps(16 if args.quick else 256, 2 if args.quick else 10)
 
-    executor = load_executor(
-        args.model, device="cpu", kv_cache_memory=args.kv_cache_mib * 2**20, seed=0
-    )
+    load = {"model": args.model, "device": "cpu", "kv_cache_memory": args.kv_cache_mib * 2**20}
+    executor = load_executor(**load, seed=0)
     config = executor.config
     flops_per_token = 2 * config.num_parameters
     # What one batch-1 step must read: every weight but an untied embedding, of which
@@ -230,6 +256,25 @@ def main() -> None:
                 else None,
             }
         )
+    forced: dict[str, ModelExecutor] = {}
+    kernel_rows = []
+    if not args.skip_kernels and executor.kernels.origin != "fixed":
+        forced = {f"forced {k}": load_forced(k, **load, seed=0) for k in FORCED_KERNELS}
+        prompt = make_prompts(1, context, config.vocab_size)[0]
+        rates = kernels_batch1(
+            {"chosen": executor, **forced}, prompt, steps, 1 if args.quick else 3
+        )
+        for name, rate in rates.items():
+            chosen = executor if name == "chosen" else forced[name]
+            kernel_rows.append(
+                {
+                    "kernels": name,
+                    "plan": chosen.kernels.plan.as_dict(),
+                    "batch1_tok_s": rate,
+                    "batch1_bandwidth_fraction": rate / bandwidth_roof,
+                    "weights_bytes": chosen.memory().weights,
+                }
+            )
     generate = None
     if peer is not None:
         generate = transformers_generate(
@@ -240,7 +285,7 @@ def main() -> None:
         return "n/a" if value is None else pattern.format(value)
 
     print(
-        f"{cpu_model()}; model {executor.source.path.name}: "
+        f"{cpu_name()}; model {executor.source.path.name}: "
         f"{config.num_parameters / 1e6:.1f} M parameters, "
         f"context {context}, {torch.get_num_threads()} threads; roofs: fp32 matmul "
         f"{roof:.1f} GFLOP/s, weight streaming {bandwidth:.1f} GB/s"
@@ -269,6 +314,21 @@ def main() -> None:
         f"weights per token at {bandwidth:.1f} GB/s); wavecore batch 1 reaches "
         f"{batch_one / bandwidth_roof:.0%} of it"
     )
+    report = executor.kernels.report()
+    print(
+        f"kernels chosen ({report['origin']}): "
+        + ", ".join(f"{c} {report[c]}" for c in ("decode", "small", "large", "prefill"))
+    )
+    if kernel_rows:
+        print(
+            f"{'batch-1 kernels':<16} {'decode/small/large/prefill':<30} {'tok/s':>7} {'% roof':>7} {'weights MB':>11}"
+        )
+        for k in kernel_rows:
+            plan = "/".join(k["plan"].values())
+            print(
+                f"{k['kernels']:<16} {plan:<30} {k['batch1_tok_s']:>7.1f} "
+                f"{k['batch1_bandwidth_fraction']:>7.0%} {k['weights_bytes'] / 1e6:>11.0f}"
+            )
     int8_one = rows[0]["int8_tok_s"]
     if int8_one is not None and int8_bytes and int8_roof:
         print(
@@ -287,8 +347,11 @@ def main() -> None:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
         "load_average_at_end": os.getloadavg(),
-        "machine": platform.processor() or platform.machine(),
-        "cpu_model": cpu_model(),
+        "cpu_model": cpu_name(),
+        "kernels": report,
+        "kernel_measure_s": executor.kernels.measure_seconds,
+        "int8_kernels": int8.kernels.report() if int8 is not None else None,
+        "kernels_batch1": kernel_rows,
         "matmul_gflops": roof,
         "stream_gbps": bandwidth,
         "weight_bytes_per_token": weight_bytes,
@@ -304,7 +367,8 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.output}")
-    executor.close()
+    for opened in (executor, *forced.values()):
+        opened.close()
     if int8 is not None:
         int8.close()
 

@@ -9,6 +9,7 @@ ExecutorKind = Literal["model", "null"]
 Device = Literal["cpu", "cuda", "auto"]
 DPMode = Literal["lockstep", "independent"]
 Transport = Literal["ipc", "tcp"]
+RankFailurePolicy = Literal["shrink", "fail"]
 Weights = Literal["float32", "int8"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -38,6 +39,10 @@ class EngineConfig:
     for less (a debugger, SIGSTOP) catches up unharmed.
     `max_dp_size` bounds what `scale` may ask for (None: what this machine can hold,
     from its cores and memory and the model's needs; see `engine/dp/capacity.py`).
+    `on_rank_failure` is what a DP engine does when a rank dies or is stuck: "fail"
+    (the default) fails every request with `EngineDeadError`; "shrink" ends only the
+    lost rank's requests (finish reason "error"; those with no output yet go to a
+    survivor) and the survivors form a smaller group and keep serving.
 
     `weights="int8"` quantizes the model's projections and LM head to int8 at load
     (CPU only; faster, a little less exact: see `engine/model/int8_linear.py`);
@@ -47,6 +52,10 @@ class EngineConfig:
     `prefill_interval=K` admits new requests only on every K-th step (decodes run every
     step), trading time to first token for steadier inter-token latency; lockstep ranks
     count steps in their wave, so all of them admit on the same steps.
+
+    `async_scheduling=True` turns on the batch queue: each rank schedules its next step
+    while the current one runs, so the model never waits for the engine's Python
+    (outputs are identical; see `engine/core/batch_queue.py`). Off by default.
     """
 
     model: str | None = None
@@ -61,6 +70,7 @@ class EngineConfig:
     prefill_interval: int = 1
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    async_scheduling: bool = False
     seed: int = 0
     dp_size: int = 1
     dp_mode: DPMode = "lockstep"
@@ -69,6 +79,7 @@ class EngineConfig:
     startup_timeout: float = 120.0
     collective_timeout: float = 60.0
     max_dp_size: int | None = None
+    on_rank_failure: RankFailurePolicy = "fail"
 
     def __post_init__(self) -> None:
         if self.executor not in ("model", "null"):
@@ -87,6 +98,15 @@ class EngineConfig:
             raise ValueError(
                 "EngineConfig.dtype must be 'auto', 'float32', 'bfloat16' or 'float16', "
                 f"got {self.dtype!r}"
+            )
+        if self.on_rank_failure not in ("shrink", "fail"):
+            raise ValueError(
+                "EngineConfig.on_rank_failure must be 'shrink' or 'fail', "
+                f"got {self.on_rank_failure!r}"
+            )
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"EngineConfig.async_scheduling must be a bool, got {self.async_scheduling!r}"
             )
         memory = self.kv_cache_memory
         if isinstance(memory, bool) or not isinstance(memory, int | float) or memory <= 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from wavecore.engine.outputs import CompletionDelta
@@ -68,6 +68,10 @@ class RankStats:
     rank: int
     core: CoreStats
     counters: RankCounters
+    # The rank's CPU model, and its projection kernel per shape class ("decode", "small",
+    # "large", "prefill") with the plan's "origin" (`engine/model/kernel_choice.py`);
+    # empty for an executor without a model.
+    kernels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -270,6 +270,17 @@ class SwitchGroup:
     group_prefix: str
 
 
+@_message(30644)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaveGroup:
+    """A rank of the group was lost: leave the broken group, paused KEEP, and from now on
+    be rank `rank` (the shrink renumbers the survivors; the switch that follows keeps
+    it); the reply is a `UtilityResult` for `call_id`, from the new number."""
+
+    call_id: int
+    rank: int
+
+
 @_message(30641)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoordinatorResize:

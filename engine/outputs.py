@@ -28,7 +28,9 @@ class CompletionDelta:
     stop string is held until it is ruled out). `finish_reason` is set on the last
     delta only: "stop", "length" or "abort". `weight_version` names the weights that
     produced `token_ids` (set by `update_weights` / `set_weight_version`; None for the
-    weights the engine loaded); a delta never mixes tokens of two versions.
+    weights the engine loaded); a delta never mixes tokens of two versions. A request
+    that was on a DP rank the engine lost (`on_rank_failure="shrink"`) ends with
+    finish reason "error" and `error` naming the rank.
     """
 
     request_id: str
@@ -38,6 +40,7 @@ class CompletionDelta:
     usage: Usage
     logprobs: tuple[TokenLogprob, ...] = ()
     weight_version: str | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -73,6 +73,15 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
 12. ``SyncDone`` may carry the spans (min, max) of the voters' wave and step counter;
     any difference from the vote this rank started raises ``LockstepDriftError``
     instead of hanging later.
+13. Rank loss (``on_rank_failure="shrink"``): ``GroupLost`` says the DP group is
+    broken (a peer died or is stuck): a collective that failed, or the client's call
+    that tells a rank not in a collective. It is taken in every phase but SWITCHING (a
+    switch that fails keeps the old group, rule 11): the votes still open are dropped
+    with the group, the rank pauses KEEP at once without a vote (nobody to vote with),
+    with ``ignore_start_wave`` (its requests stay frozen, none is lost), answers a
+    pause call still waiting (``PauseComplete``: it is paused) and goes idle. That is
+    the state a switch starts from (rule 11): the survivors form their new group
+    through a scale's switch. Taken again while so paused it changes nothing.
 """
 
 from __future__ import annotations
@@ -226,6 +235,11 @@ class Reconfigured:
             raise ValueError(f"Reconfigured.rank {self.rank} outside dp_size {self.dp_size}")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupLost:
+    """Rule 13: the DP group is broken; pause out of it and wait for a switch."""
+
+
 # -- actions ------------------------------------------------------------------------
 
 
@@ -353,6 +367,7 @@ class RankSnapshot:
 
 
 _IDLE, _RUNNING, _SYNCING, _BARRIER, _SWITCHING = RankPhase
+_LOSABLE = (_IDLE, _RUNNING, _SYNCING, _BARRIER)
 
 
 def _rows() -> dict[tuple[RankPhase, type], Transition]:
@@ -378,6 +393,8 @@ def _rows() -> dict[tuple[RankPhase, type], Transition]:
         (_SYNCING, SyncDone): row("on_sync_done", _IDLE, _RUNNING, _SYNCING),
         (_BARRIER, ResumeSynced): row("on_resume_synced", _IDLE, _RUNNING),
         (_SWITCHING, Reconfigured): row("on_reconfigured", _IDLE),
+        # Rule 13: everywhere but SWITCHING, whose failed join keeps the old group.
+        **{(phase, GroupLost): row("on_group_lost", _IDLE) for phase in _LOSABLE},
     }
 
 
@@ -739,6 +756,22 @@ class RankMachine(TableMachine[RankSnapshot]):
             raise self.refuse(state, event, "a member of the new group was running")
         switched = replace(self.switched(state, event), phase=_IDLE, running=event.running)
         return switched, (GroupSwitched(dp_size=event.dp_size),)
+
+    def on_group_lost(self, state: RankSnapshot, event: GroupLost) -> Result:
+        """Rule 13: paused KEEP out of the broken group (an ABORT pause already dropped
+        its requests and stays so), no vote open, idle until the switch."""
+        mode = PauseMode.ABORT if state.pause_mode is PauseMode.ABORT else PauseMode.KEEP
+        paused = replace(
+            state,
+            phase=_IDLE,
+            running=False,
+            pause_state=PauseState.PAUSED,
+            pause_mode=mode,
+            ignore_start_wave=True,
+            sleep_level=None,
+            open_votes=0,
+        )
+        return paused, (PauseScheduler(mode=PauseMode.KEEP), PauseComplete(), Idle())
 
     def initial_actions(self) -> tuple[object, ...]:
         """Rule 11: what the loop performs before its first input. A joining rank's

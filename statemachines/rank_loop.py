@@ -22,8 +22,8 @@ Theory of operation:
    refused: inputs wait in the driver's queue (a rank in a collective takes nothing).
 3. Inputs: ``NewRequest`` (added to the scheduler, then ``RequestArrived``),
    ``AbortRequests``, ``StopRequests``, the coordinator's ``StartWave``, and ``Call``:
-   a client's call carrying a machine event (pause, resume, sleep, wake-up, switch) or
-   a local query (``ResetPrefixCache``, ``ReportStats``).
+   a client's call carrying a machine event (pause, resume, sleep, wake-up, switch,
+   group lost) or a local query (``ResetPrefixCache``, ``ReportStats``).
 4. The machine's actions are performed in order: the cheap ones at once through the
    driver's ``RankEffects`` (scheduler, messages, replies, starting a vote), the
    blocking ones by making them ``pending``; the actions after a blocking one wait in ``queued`` until
@@ -32,6 +32,10 @@ Theory of operation:
    once the executor slept (``EnterSleep``), a switch at ``GroupSwitched``, every other
    call once all of its actions were performed. A call the machine refuses is answered
    with the error and changes nothing.
+6. A collective that fails because the group broke (a peer died or is stuck) is
+   given up with ``group_lost``: what it and the actions queued behind it would have
+   done belonged to the broken group, so they are dropped, and the machine takes
+   ``GroupLost`` (its rule 13) from whatever it was doing.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from .rank import (
     AwaitVote,
     DrainVote,
     EnterSleep,
+    GroupLost,
     GroupSwitched,
     Idle,
     JoinGroup,
@@ -113,6 +118,7 @@ CallRequest = (
     | SleepRequested
     | WakeUpRequested
     | SwitchRequested
+    | GroupLost
     | ResetPrefixCache
     | ReportStats
 )
@@ -294,6 +300,13 @@ class RankLoop:
             self._state = replace(self._state, sleep_calls=())
             actions = tuple(_Reply(call_id=call_id) for call_id in calls)
         self._run((*actions, *queued), effects)
+
+    def group_lost(self, effects: RankEffects) -> None:
+        """Rule 6: the group broke under the pending operation; give it up. Refused (and
+        nothing changes) while joining a new group: a failed join keeps the old one."""
+        actions = self.machine.handle(GroupLost())
+        self._state = replace(self._state, pending=RunStep(), queued=())
+        self._run(actions, effects)
 
     # -- calls ---------------------------------------------------------------------------
 

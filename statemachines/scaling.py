@@ -37,6 +37,16 @@ Theory of operation:
    still there to resume it. A scale down's leaving ranks are gone once SWITCHING, and
    RESIZING and RESUMING come after a switch that succeeded: nothing can be rolled
    back there, ``ScaleAbandoned`` says so, and IDLE takes a new attempt.
+9. Rank loss (``on_rank_failure="shrink"``): ``RanksLost`` (ranks of the group died or
+   are stuck) -> LEAVING with ``DropRanks`` (their requests end, or go to a survivor
+   when they produced nothing yet; their processes are killed; the survivors are
+   renumbered ``0..n-1`` in their old order, everywhere the client keeps ranks) and
+   ``LeaveGroup`` (every survivor leaves the broken group: ``RankMachine`` rule 13,
+   paused KEEP without a vote, since a lockstep pause needs the whole group).
+   ``GroupLeft`` -> SWITCHING with ``SwitchGroup``, and on as a scale down from there
+   (rule 5): the survivors build their new group through the same switch. Nothing can
+   be rolled back (the lost ranks are gone), so an abort of it is ``ScaleAbandoned``.
+   Only IDLE takes a loss; one during a scale fails that scale (rule 8).
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ class ScalePhase(Enum):
     STARTING = "starting"
     DRAINING = "draining"
     PAUSING = "pausing"
+    LEAVING = "leaving"
     SWITCHING = "switching"
     RESIZING = "resizing"
     RESUMING = "resuming"
@@ -105,6 +116,28 @@ class Resumed:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RanksLost:
+    """Rule 9: these ranks of the group of ``old_dp_size`` died or are stuck."""
+
+    old_dp_size: int
+    lost: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.lost or not set(self.lost) <= set(range(self.old_dp_size)):
+            raise ValueError(
+                f"RanksLost.lost must name ranks of the group of {self.old_dp_size}, "
+                f"got {self.lost}"
+            )
+        if len(set(self.lost)) == self.old_dp_size:
+            raise ValueError(f"RanksLost: every rank of {self.old_dp_size} is lost")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupLeft:
+    pass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ScaleAborted:
     reason: str
 
@@ -132,6 +165,22 @@ class DrainRanks:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PauseRanks:
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DropRanks:
+    """Rule 9: the lost ranks leave every table and their processes are killed; the
+    ``survivors`` (old numbers, in order) become ranks ``0..len(survivors)-1``."""
+
+    ranks: tuple[int, ...]
+    survivors: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaveGroup:
+    """Rule 9: these ranks (new numbers) leave the broken group, paused KEEP."""
+
     ranks: tuple[int, ...]
 
 
@@ -186,8 +235,8 @@ class ScalingSnapshot:
     dp_size: int | None = None
 
 
-_IDLE, _STARTING, _DRAINING, _PAUSING, _SWITCHING, _RESIZING, _RESUMING = ScalePhase
-ACTIVE_PHASES = (_STARTING, _DRAINING, _PAUSING, _SWITCHING, _RESIZING, _RESUMING)
+_IDLE, _STARTING, _DRAINING, _PAUSING, _LEAVING, _SWITCHING, _RESIZING, _RESUMING = ScalePhase
+ACTIVE_PHASES = (_STARTING, _DRAINING, _PAUSING, _LEAVING, _SWITCHING, _RESIZING, _RESUMING)
 Result = tuple[ScalingSnapshot, tuple[object, ...]]
 
 
@@ -197,6 +246,8 @@ def _rows() -> dict[tuple[ScalePhase, type], Transition]:
 
     rows: dict[tuple[ScalePhase, type], Transition] = {
         (_IDLE, ScaleRequested): row("on_requested", _STARTING, _DRAINING),
+        (_IDLE, RanksLost): row("on_lost", _LEAVING),
+        (_LEAVING, GroupLeft): row("on_left", _SWITCHING),
         (_STARTING, RanksReady): row("on_ready", _PAUSING),
         (_DRAINING, Drained): row("on_drained", _PAUSING),
         (_PAUSING, RanksPaused): row("on_paused", _SWITCHING),
@@ -251,6 +302,20 @@ class ScalingMachine(TableMachine[ScalingSnapshot]):
             DrainRanks(ranks=tuple(range(new, old))),
         )
 
+    def on_lost(self, state: ScalingSnapshot, event: RanksLost) -> Result:
+        old = event.old_dp_size
+        survivors = tuple(rank for rank in range(old) if rank not in event.lost)
+        new = len(survivors)
+        leaving = ScalingSnapshot(phase=_LEAVING, old_dp_size=old, dp_size=new)
+        lost = tuple(sorted(set(event.lost)))
+        return leaving, (
+            DropRanks(ranks=lost, survivors=survivors),
+            LeaveGroup(ranks=tuple(range(new))),
+        )
+
+    def on_left(self, state: ScalingSnapshot, event: GroupLeft) -> Result:
+        return replace(state, phase=_SWITCHING), (SwitchGroup(dp_size=state.dp_size or 0),)
+
     def on_second_request(self, state: ScalingSnapshot, event: ScaleRequested) -> Result:
         raise ReconfigurationActiveError(
             type(self).__name__,
@@ -286,7 +351,9 @@ class ScalingMachine(TableMachine[ScalingSnapshot]):
     def on_aborted(self, state: ScalingSnapshot, event: ScaleAborted) -> Result:
         old, new = state.old_dp_size or 0, state.dp_size or 0
         idle = ScalingSnapshot(phase=_IDLE)
-        if state.phase in (_RESIZING, _RESUMING) or (state.phase is _SWITCHING and new < old):
+        if state.phase in (_LEAVING, _RESIZING, _RESUMING) or (
+            state.phase is _SWITCHING and new < old
+        ):
             return idle, (ScaleAbandoned(reason=event.reason),)
         rollback: list[object] = []
         if new > old:

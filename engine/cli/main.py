@@ -43,6 +43,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs,
             dp_size=args.dp,
             dp_mode=args.dp_mode,
+            on_rank_failure=args.on_rank_failure,
+            async_scheduling=args.async_scheduling,
             # Ranks started elsewhere connect over tcp; the transport is not hashed.
             transport="tcp" if getattr(args, "dp_master", None) else "ipc",
         )
@@ -325,6 +327,21 @@ def _memory(text: str) -> int | float:
     return value if 0 < value <= 1 else int(value)
 
 
+def _add_rank_behaviour_flags(group: argparse._ActionsContainer) -> None:
+    """Flags every rank of a group must share (a headless rank takes them too)."""
+    group.add_argument(
+        "--on-rank-failure",
+        choices=["fail", "shrink"],
+        default="fail",
+        help="shrink: a lost rank's requests end with an error, the others serve on",
+    )
+    group.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="schedule the next step while the model runs the current one",
+    )
+
+
 def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The engine flags `generate` and `serve` share, in a group the caller may extend."""
     engine = command.add_argument_group("engine")
@@ -355,6 +372,7 @@ def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGro
     engine.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     engine.add_argument("--dp", type=int, default=1, help="data-parallel ranks (processes)")
     engine.add_argument("--dp-mode", choices=["lockstep", "independent"], default="lockstep")
+    _add_rank_behaviour_flags(engine)
     return engine
 
 
@@ -410,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--dp-size", dest="dp", type=int, required=True)
     rank.add_argument("--master", required=True, metavar="HOST:PORT", help="the front end")
     rank.add_argument("--dp-mode", choices=["lockstep", "independent"], default="lockstep")
+    _add_rank_behaviour_flags(rank)
     rank.add_argument("--model")
     rank.add_argument("--executor", choices=["model", "null"], default="model")
     rank.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")

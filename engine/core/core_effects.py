@@ -7,6 +7,7 @@ any reply so that a call's own updates (aborts) precede its answer.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from wavecore.engine import messages as m
@@ -62,6 +63,10 @@ class CoreEffects:
         self._finished: dict[str, str] = {}
         self._logprobs: list[m.RequestLogprobs] = []
 
+    def renumber(self, rank: int) -> None:
+        """A shrink gave this rank a new number: its messages carry it from now on."""
+        self._rank = rank
+
     # -- RankEffects --------------------------------------------------------------------
 
     def add_request(self, request_id: str, payload: object) -> None:
@@ -106,7 +111,12 @@ class CoreEffects:
         )
 
     def report(self) -> object:
-        return self._stats()
+        stats = self._stats()
+        # Only a real model has kernels to report (`ModelExecutor.kernels`).
+        kernels = getattr(self._core.executor, "kernels", None)
+        if kernels is None:
+            return stats
+        return dataclasses.replace(stats, kernels=kernels.report())
 
     def fail_call(self, call_id: int, error: str) -> None:
         """Have this call's reply, whenever the loop sends it, carry `error` (a switch

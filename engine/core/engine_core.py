@@ -55,8 +55,11 @@ class EngineCore:
                 prefill_interval=config.prefill_interval,
                 enable_prefix_caching=config.enable_prefix_caching,
                 eos_token_id=eos_token_id,
+                async_scheduling=config.async_scheduling,
             )
         )
+        # Whether the rank runs its steps through the batch queue (`core.batch_queue`).
+        self.async_scheduling = config.async_scheduling
         self.weight_version: str | None = None
 
     @classmethod

@@ -85,6 +85,9 @@ class InProcessClient:
     def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
         """The rank reports its own failure (`RankFailed`); nothing else can die here."""
 
+    def attach(self, host: ScaleHost) -> None:
+        """One rank has no peers to shrink around: its failure is the engine's."""
+
     async def root_cause(
         self, error: EngineDeadError, *, in_collective: bool = False
     ) -> EngineDeadError:

@@ -4,7 +4,9 @@ Model steps take milliseconds to seconds; running them on the event loop would s
 the engine from taking requests, aborts and utility calls while the model works. So
 the loop hands each step to this thread and awaits it. One long-lived thread, not a
 pool: thread-local state (torch's inference mode, a CUDA device and stream) stays
-put, and steps can never overlap.
+put, and steps can never overlap. Jobs run in the order they were started, so a job
+may read the result of one started before it (`ModelJob.result`): the batch queue
+starts step N+1 before it awaits step N, and N+1 takes N's samples that way.
 """
 
 from __future__ import annotations
@@ -12,14 +14,58 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
-import anyio.from_thread
 import anyio.lowlevel
 
 _STOP = object()
 T = TypeVar("T")
+
+
+class ModelJob(Generic[T]):
+    """One call queued on a `ModelThread`: `await job.wait()` for its result."""
+
+    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...]) -> None:
+        self._fn = fn
+        self._args = args
+        self._done = anyio.Event()
+        self._token = anyio.lowlevel.current_token()
+        self._outcome: tuple[bool, Any] | None = None
+
+    def __call__(self) -> None:  # on the model thread
+        try:
+            self._outcome = (True, self._fn(*self._args))
+        except BaseException as error:  # delivered to whoever reads the result
+            self._outcome = (False, error)
+        # Without waiting for the event loop (what `from_thread.run_sync` would do): the
+        # thread goes on to the next job at once, even while the loop is busy.
+        token = self._token
+        token.backend_class.run_sync_soon(self._done.set, (), token.native_token)
+
+    def result(self) -> T:
+        """The result, or its error raised; only once the job ran (e.g. from a job
+        started after it, on the model thread)."""
+        if self._outcome is None:
+            raise RuntimeError("ModelJob.result() before the job ran")
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    async def wait(self) -> T:
+        """Wait for the job to end and return its result or raise its error.
+
+        The wait is shielded from cancellation: a half-finished forward pass cannot be
+        abandoned (its outputs would land in state the caller no longer owns), so a
+        cancelled caller waits for the step to end, then sees the cancellation.
+        """
+        with anyio.CancelScope(shield=True):
+            await self._done.wait()
+        # Shielded waits are not checkpoints: without this a rank that steps back to
+        # back would never see its cancellation while it has work.
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return self.result()
 
 
 class ModelThread:
@@ -41,31 +87,13 @@ class ModelThread:
         while (job := self._jobs.get()) is not _STOP:
             job()
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` on the model thread and return its result or raise its error.
-
-        The wait is shielded from cancellation: a half-finished forward pass cannot be
-        abandoned (its outputs would land in state the caller no longer owns), so a
-        cancelled caller waits for the step to end, then sees the cancellation.
-        """
-        done = anyio.Event()
-        token = anyio.lowlevel.current_token()
-        outcome: list[Any] = []
-
-        def job() -> None:
-            try:
-                outcome.append((True, fn(*args)))
-            except BaseException as error:  # delivered to the awaiting task below
-                outcome.append((False, error))
-            anyio.from_thread.run_sync(done.set, token=token)
-
+    def start(self, fn: Callable[..., T], *args: Any) -> ModelJob[T]:
+        """Queue `fn(*args)` behind the jobs already started; await the job later."""
+        job = ModelJob(fn, args)
         self._jobs.put(job)
-        with anyio.CancelScope(shield=True):
-            await done.wait()
-        # Shielded waits are not checkpoints: without this a rank that steps back to
-        # back would never see its cancellation while it has work.
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        ok, value = outcome[0]
-        if not ok:
-            raise value
-        return value
+        return job
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the model thread and return its result or raise its error
+        (`ModelJob.wait`: cancellation waits for the job to end)."""
+        return await self.start(fn, *args).wait()

@@ -145,6 +145,10 @@ class RankCalls:
             return self._reply(call.call_id, error=f"{type(error).__name__}: {error}")
         return self._reply(call.call_id, result=encoded)
 
+    def renumber(self, rank: int) -> None:
+        """A shrink gave this rank a new number: its answers carry it from now on."""
+        self._rank = rank
+
     def _reply(
         self,
         call_id: int,

@@ -9,6 +9,7 @@ from wavecore.engine.request import EngineRequest
 from wavecore.statemachines import (
     AbortRequests,
     Call,
+    GroupLost,
     NewRequest,
     PauseMode,
     PauseRequested,
@@ -46,6 +47,8 @@ def loop_input_of(item: Any) -> object | None:
         return StartWave(wave=item.wave, exclude_rank=item.exclude_rank)
     if isinstance(item, m.SwitchGroup):
         return Call(call_id=item.call_id, request=SwitchRequested(dp_size=item.dp_size))
+    if isinstance(item, m.LeaveGroup):
+        return Call(call_id=item.call_id, request=GroupLost())
     if isinstance(item, m.UtilityCall):
         try:
             return Call(call_id=item.call_id, request=_call_request(item))

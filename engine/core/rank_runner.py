@@ -19,6 +19,14 @@ Theory of operation:
    the inbox are applied, so an aborted request never gets another token.
 5. If anything raises, the rank reports `RankFailed` (naming itself) and waits for
    its input to close; the client fails every request.
+6. With `survive_lost_group` (`on_rank_failure="shrink"`) a collective that fails (a
+   peer died or is stuck) is reported the same way but the rank lives on: its loop
+   gives the collective up (`RankLoop.group_lost`), paused KEEP out of the broken
+   group, and waits for the client's shrink (`LeaveGroup`, then a switch that may
+   give it a new number).
+7. With `async_scheduling` a `RunStep` is answered by the `BatchQueue`
+   (`core.batch_queue`), which keeps one step in flight ahead of the loop; it is
+   drained before anything else runs or the runner blocks for input.
 """
 
 from __future__ import annotations
@@ -30,9 +38,11 @@ from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from wavecore.engine import messages as m
+from wavecore.engine.core.batch_queue import BatchQueue
 from wavecore.engine.core.core_effects import COUNTERS, CoreEffects
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.core.model_thread import ModelThread
@@ -62,6 +72,9 @@ from wavecore.statemachines import (
     WaitForInput,
 )
 
+# How long a rank waits for its broken group's connections to close.
+_ABORT_BOUND_S = 1.0
+
 
 class Shutdown:
     """The input closed: leave the loop."""
@@ -85,6 +98,8 @@ class DPGroupHandle(Protocol):
     def await_vote(self) -> Any: ...
 
     def barrier(self, *, has_unfinished: bool) -> bool: ...
+
+    def abort(self) -> None: ...
 
 
 class GroupJoiner(Protocol):
@@ -115,6 +130,7 @@ class RankRunner:
         coordinator: Sink | None,
         on_invalid: Callable[[object], None],
         join_group: GroupJoiner | None = None,
+        survive_lost_group: bool = False,
     ) -> None:
         self.core = core
         self.loop = RankLoop(machine)
@@ -127,6 +143,17 @@ class RankRunner:
         self._on_invalid = on_invalid
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._effects = CoreEffects(core, self.rank, self.counts, self.stats, self._start_vote)
+        self._queue = (
+            BatchQueue(
+                core=core,
+                thread=model_thread,
+                loop=self.loop,
+                counts=self.counts,
+                emit=self._effects.emit,
+            )
+            if core.async_scheduling
+            else None
+        )
         self._backlog: deque[Any] = deque()
         # The coordinator starts every rank at zero load, so a rank reports only a change
         # from that: a rank a scale adds gets no request before the coordinator knows the
@@ -136,6 +163,10 @@ class RankRunner:
         # A switch's group prefix, kept from its message until the collective runs.
         self._switch_prefix = ""
         self._switch_call = -1
+        self._survive_lost_group = survive_lost_group
+        # Groups that broke: kept, never destroyed, since tearing one down may wait for
+        # a collective that a stuck peer never finishes.
+        self._broken_groups: list[DPGroupHandle] = []
         # Weight updates and collective RPC, answered outside the machine.
         self._calls = RankCalls(core, self.rank, model_thread, self.loop.machine.snapshot)
 
@@ -145,7 +176,14 @@ class RankRunner:
         try:
             self.loop.start(self._effects)
             await self._flush()
-            await self._drive(inbox)
+            while True:
+                try:
+                    await self._drive(inbox)
+                    return
+                except CollectiveFailed as error:
+                    if not self._survive_lost_group:
+                        raise
+                    await self._leave_group(error)
         except Exception as error:
             cause = error.__cause__ if isinstance(error, CollectiveFailed) else error
             detail = f"{type(cause).__name__}: {cause}"
@@ -161,6 +199,39 @@ class RankRunner:
                 if isinstance(item, Shutdown):
                     return
 
+    async def _leave_group(self, error: CollectiveFailed) -> None:
+        """Rule 6: report the broken collective (the client finds the cause and
+        shrinks the group) and give it up, paused out of the group."""
+        await self._abandon_group()
+        cause = error.__cause__
+        await self._flush()
+        await self._outputs.send(
+            m.RankFailed(
+                rank=self.rank,
+                error=f"rank {self.rank} (pid {os.getpid()}) left its broken DP group: "
+                f"{type(cause).__name__}: {cause}",
+                in_collective=True,
+            )
+        )
+        self.loop.group_lost(self._effects)
+        await self._flush()
+
+    async def _abandon_group(self) -> None:
+        """Close the broken group's connections, so that a peer waiting in one of its
+        collectives fails at once (told to leave, or failed here)."""
+        broken, self._group = self._group, None
+        if broken is not None:
+            self._broken_groups.append(broken)
+            # Bounded and abandoned if it blocks: the peers' own timeouts still apply.
+            with anyio.move_on_after(_ABORT_BOUND_S):
+                await anyio.to_thread.run_sync(broken.abort, abandon_on_cancel=True)
+
+    def _renumber(self, rank: int) -> None:
+        self.rank = rank
+        self._effects.renumber(rank)
+        self._calls.renumber(rank)
+        self._last_load = (-1, -1, -1.0)  # the coordinator knows nothing of the new number
+
     async def _drive(self, inbox: MemoryObjectReceiveStream[Any]) -> None:
         loop = self.loop
         while True:
@@ -168,13 +239,18 @@ class RankRunner:
             if isinstance(pending, WaitForInput | RunStep):
                 item = self._next_input(inbox)
                 if item is None and isinstance(pending, WaitForInput):
+                    await self._drain(inbox)
                     await self._flush()
                     item = await inbox.receive()
                 if isinstance(item, Shutdown):
+                    await self._drain(inbox)  # no forward outlives the runner
                     return
                 if isinstance(item, RANK_CALLS):
+                    await self._drain(inbox)
                     await self._answer(item)
                     continue
+                if isinstance(item, m.LeaveGroup):
+                    await self._abandon_group()
                 if item is not None:
                     self._deliver(item)
                     continue
@@ -187,6 +263,7 @@ class RankRunner:
                     # inputs' tasks run before the next try.
                     await anyio.lowlevel.checkpoint()
                 continue
+            await self._drain(inbox)
             await self._flush()
             if isinstance(pending, RunDummy):
                 await self._thread.run(self.core.executor.execute_dummy)
@@ -212,6 +289,8 @@ class RankRunner:
             return None
 
     async def _step(self, inbox: MemoryObjectReceiveStream[Any]) -> StepDone:
+        if self._queue is not None:
+            return await self._queue.step(lambda: self._take_waiting_aborts(inbox))
         core = self.core
         machine = self.loop.machine
         # Lockstep ranks admit prefills on the same steps: those of their shared count.
@@ -222,6 +301,11 @@ class RankRunner:
             self._effects.emit(core.update(step, output))
             self.counts["real_steps"] += 1
         return StepDone(executed=step is not None, has_unfinished=core.has_unfinished())
+
+    async def _drain(self, inbox: MemoryObjectReceiveStream[Any]) -> None:
+        """Rule 7: finish the step in flight ahead of the loop, if any."""
+        if self._queue is not None:
+            await self._queue.drain(lambda: self._take_waiting_aborts(inbox))
 
     def _take_waiting_aborts(self, inbox: MemoryObjectReceiveStream[Any]) -> None:
         """Rule 4: apply the aborts at the head of the inbox now; keep the rest, in
@@ -286,13 +370,13 @@ class RankRunner:
         agreed = (action.running, action.wave, action.step_counter)
         dp_size = action.dp_size
         if self._join_group is not None:
-            joiner, prefix = self._join_group, self._switch_prefix
+            joiner, prefix, rank = self._join_group, self._switch_prefix, self.rank
             try:
                 self._group, agreed = await self._thread.run(
                     lambda: joiner(
                         prefix=prefix,
                         dp_size=action.dp_size,
-                        rank=self.rank,
+                        rank=rank,
                         running=action.running,
                         wave=action.wave,
                         step_counter=action.step_counter,
@@ -346,6 +430,8 @@ class RankRunner:
         elif isinstance(item, m.SwitchGroup):
             self._switch_prefix = item.group_prefix
             self._switch_call = item.call_id
+        elif isinstance(item, m.LeaveGroup):
+            self._renumber(item.rank)
         elif isinstance(loop_input, Call) and isinstance(loop_input.request, PauseRequested):
             self._effects.pause_started(loop_input.call_id)
         return loop_input

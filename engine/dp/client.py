@@ -12,12 +12,24 @@ Theory of operation:
 3. `scale` hands the front end to the `Scaler`, which performs `ScalingMachine`'s
    script (`scaler` explains how); the launcher's handshake socket stays open for the
    ranks it adds.
+4. With `on_rank_failure="shrink"` a rank's loss is not the engine's death: a rank
+   process that exits, a rank whose loop failed, or the rank that a survivor's broken
+   collective points at (`root_cause`: dead, else stopped) is lost, and the scaler
+   shrinks the group around it (`Scaler.shrink`). Losses are taken one at a time by
+   one task (`_serve_losses`); a survivor's report of a broken collective that a
+   shrink started since explains is dropped. The engine still dies where a shrink
+   cannot help: the coordinator's death, the last rank's, an unexplained broken
+   collective, a loss while paused, asleep, scaling or updating weights, or a
+   shrink that fails.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import anyio
@@ -27,11 +39,11 @@ from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.dp.exit_status import describe_exit
-from wavecore.engine.dp.launcher import DPWiring, open_dp_processes
+from wavecore.engine.dp.launcher import COORDINATOR, DPWiring, open_dp_processes, process_name
 from wavecore.engine.dp.process_state import is_stopped
 from wavecore.engine.dp.rank_process import BuildCore
 from wavecore.engine.dp.scaler import Scaler
-from wavecore.engine.errors import EngineDeadError
+from wavecore.engine.errors import EngineDeadError, ScalingFailedError
 from wavecore.engine.frontend.core_client import ScaleHost
 from wavecore.engine.request import PromptTokenizer
 from wavecore.engine.weight_messages import RankReply
@@ -45,6 +57,20 @@ _MAX_CHUNK_BYTES = 16 * 2**20
 _PEER_EXIT_GRACE = 2.0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Loss:
+    """A rank process that is gone (`process`), or a survivor's broken collective
+    (`report`, received when `shrinks` shrinks had started) whose cause is to be found."""
+
+    cause: str
+    process: BaseProcess | None = None
+    report: m.RankFailed | None = None
+    shrinks: int = 0
+    # Its requests without output go to a survivor, unless the rank's own loop failed:
+    # one of them may be what broke it.
+    resend: bool = True
+
+
 class DPClient:
     """A `CoreClient` over rank processes; see the module docstring."""
 
@@ -56,6 +82,14 @@ class DPClient:
         self._exited = anyio.Event()
         self._closed = False
         self.scaler = Scaler(config, wiring)
+        self._host: ScaleHost | None = None
+        self._losses: deque[_Loss] = deque()
+        self._loss_arrived = anyio.Event()
+        self._shrinks = 0
+        # Seconds from each rank's loss being seen to the engine serving without it;
+        # `shrunk` is set (and replaced) as each shrink ends.
+        self.shrink_seconds: list[float] = []
+        self.shrunk = anyio.Event()
 
     @property
     def dp_size(self) -> int:
@@ -84,11 +118,84 @@ class DPClient:
     def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
         self._on_death = callback
 
+    def attach(self, host: ScaleHost) -> None:
+        self._host = host
+
+    @property
+    def shrinks(self) -> bool:
+        return self.config.on_rank_failure == "shrink"
+
     def process_exited(self, name: str, exitcode: int | None) -> None:
         self._exited.set()
         self._exited = anyio.Event()
+        cause = f"{name} died ({describe_exit(exitcode)})"
+        if self.shrinks and name != COORDINATOR:
+            process = self.wiring.processes.get(name)
+            if process is not None and not process.is_alive():  # not lost already
+                self._lose(_Loss(cause=cause, process=process))
+            return
+        self._die(EngineDeadError(cause))
+
+    def _lose(self, loss: _Loss) -> None:
+        self._losses.append(loss)
+        self._loss_arrived.set()
+
+    def _die(self, error: EngineDeadError) -> None:
         if not self._closed and self._on_death is not None:
-            self._on_death(EngineDeadError(f"{name} died ({describe_exit(exitcode)})"))
+            self._on_death(error)
+
+    async def serve_losses(self) -> None:
+        """Rule 4: take the losses one at a time, for the engine's lifetime."""
+        while True:
+            while not self._losses:
+                await self._loss_arrived.wait()
+                self._loss_arrived = anyio.Event()
+            loss = self._losses.popleft()
+            found = await self._lost_process(loss)
+            if found is None:
+                continue
+            rank, cause = found
+            host = self._host
+            refused = "one rank left" if self.dp_size == 1 else None
+            refused = refused or (host.shrink_refused() if host is not None else "no front end")
+            if host is None or refused is not None:
+                self._die(EngineDeadError(f"{cause} (the group cannot shrink: {refused})"))
+                continue
+            self._shrinks += 1
+            seen = anyio.current_time()
+            try:
+                await self.scaler.shrink(host, (rank,), cause, resend=loss.resend)
+            except ScalingFailedError as error:
+                self._die(EngineDeadError(str(error)))
+                continue
+            self.shrink_seconds.append(anyio.current_time() - seen)
+            self.shrunk.set()
+            self.shrunk = anyio.Event()
+
+    async def _lost_process(self, loss: _Loss) -> tuple[int, str] | None:
+        """The current number of the rank a loss names, and why it is lost; None when it
+        is lost already (or a shrink since explains a survivor's report)."""
+        cause, process = loss.cause, loss.process
+        if loss.report is not None:
+            if self._shrinks > loss.shrinks:
+                return None
+            error = EngineDeadError(loss.report.error)
+            culprit = None
+            with anyio.move_on_after(_PEER_EXIT_GRACE):
+                while (culprit := self._culprit()) is None:
+                    await self._exited.wait()
+            if culprit is None:
+                self._die(error)
+                return None
+            name, what = culprit
+            cause, process = what, self.wiring.processes[name]
+        if process is None:  # a headless rank elsewhere: nothing here to shrink around
+            self._die(EngineDeadError(cause))
+            return None
+        for name, current in self.wiring.processes.items():
+            if current is process and name.startswith("rank ") and "retired" not in name:
+                return int(name.removeprefix("rank ")), cause
+        return None
 
     async def root_cause(
         self, error: EngineDeadError, *, in_collective: bool = False
@@ -105,6 +212,12 @@ class DPClient:
         return cause
 
     def _first_cause(self, error: EngineDeadError) -> EngineDeadError:
+        culprit = self._culprit()
+        return error if culprit is None else _caused(culprit[1], error)
+
+    def _culprit(self) -> tuple[str, str] | None:
+        """The process behind a broken collective and what happened to it: one that
+        died, else one that is stopped."""
         current = [
             (name, process)
             for name, process in list(self.wiring.processes.items())
@@ -112,16 +225,15 @@ class DPClient:
         ]
         for name, process in current:
             if not process.is_alive():
-                return _caused(f"{name} died ({describe_exit(process.exitcode)})", error)
+                return name, f"{name} died ({describe_exit(process.exitcode)})"
         for name, process in current:
             if process.pid is not None and is_stopped(process.pid):
                 timeout = self.config.collective_timeout
-                return _caused(
+                return name, (
                     f"{name} is stopped (SIGSTOP or a debugger) and did not join a "
-                    f"collective within collective_timeout ({timeout:g} s)",
-                    error,
+                    f"collective within collective_timeout ({timeout:g} s)"
                 )
-        return error
+        return None
 
     async def send(self, rank: int, message: Any) -> None:
         await self.wiring.to_ranks[rank].send(message)
@@ -133,12 +245,24 @@ class DPClient:
         invalid = self.wiring.invalid_frames[0]
         try:
             async for message in self.wiring.outputs:
-                if isinstance(message, _OUTPUTS):
+                if self.shrinks and isinstance(message, m.RankFailed):
+                    self._rank_failed(message)
+                elif isinstance(message, _OUTPUTS):
                     yield message
                 else:
                     invalid.unexpected(message)
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             pass
+
+    def _rank_failed(self, message: m.RankFailed) -> None:
+        """Rule 4: a rank whose loop failed is lost; a survivor's broken collective is
+        dropped while a shrink runs (it is that shrink's doing), else its cause is
+        found and lost (or, during a scale, the engine dies as it always did)."""
+        if not message.in_collective:
+            process = self.wiring.processes.get(process_name(message.rank))
+            self._lose(_Loss(cause=message.error, process=process, resend=False))
+        elif not self.scaler.shrinking:
+            self._lose(_Loss(cause=message.error, report=message, shrinks=self._shrinks))
 
     async def coordinator_states(self) -> AsyncIterator[Any]:
         try:
@@ -202,6 +326,7 @@ async def open_dp_client(
         holder.append(client)
         async with anyio.create_task_group() as tg:
             await tg.start(client.scaler.serve)
+            tg.start_soon(client.serve_losses)
             try:
                 yield client
             finally:

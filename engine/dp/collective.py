@@ -117,6 +117,12 @@ class DPGroup:
         self._wait(self._group.allreduce([tensor], self._options), "the resume barrier")
         return bool(self._checked(tensor)[2])
 
+    def abort(self) -> None:
+        """Close this group's connections (it broke: a peer died or is stuck), so that a
+        survivor still waiting in one of its collectives fails at once, not after the
+        collective timeout."""
+        self._group.abort()
+
     def _wait(self, work: dist.Work, what: str) -> None:
         """Wait for a collective; gloo's own timeout error names no rank, this one says
         which rank gave up and on whom."""

@@ -14,7 +14,9 @@ Theory of operation:
    with the channels as its input, outputs and coordinator. A rank started by a scale
    up is built `joining`; its machine freezes its scheduler before any input.
 4. If anything in the loop raises, the rank reports `RankFailed` (naming itself) and
-   waits for the client to close its input; the client fails every request.
+   waits for the client to close its input; the client fails every request. With
+   `on_rank_failure="shrink"` a broken collective is reported and survived instead
+   (`RankRunner` rule 6): the client shrinks the group around the lost rank.
 5. A spawned rank ends soon after the process that started it, however that died
    (`parent_watch`); it creates nothing that outlives it, so it has nothing to remove.
 """
@@ -157,6 +159,7 @@ async def _run_rank(
                     coordinator=coordinator,
                     on_invalid=invalid.unexpected,
                     join_group=_group_joiner(assignment) if assignment.lockstep else None,
+                    survive_lost_group=config.on_rank_failure == "shrink",
                 )
                 try:
                     await _serve(runner, inputs, waves)

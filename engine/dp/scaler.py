@@ -23,7 +23,13 @@ Theory of operation:
    routing restored, the engines resumed; the error (`ScalingFailedError`) names the
    phase and the cause and says the engine still serves at its old size. Where nothing
    can be rolled back the error says so.
-5. New ranks are watched by the scale while it runs (`_watch_new_ranks`): a death ends
+5. A lost rank (`on_rank_failure="shrink"`): `shrink` performs the machine's
+   `RanksLost` script. `DropRanks` kills and reaps the lost processes, renumbers the
+   survivors in the wiring (inputs, process names, the watcher) and in the front end's
+   tables (`ScaleHost.lose_ranks`) at once, before anything can be sent on; then
+   `LeaveGroup` (one call per survivor, each with its new number) and the switch of a
+   scale down. Nothing can be rolled back: a shrink that fails is the engine's death.
+6. New ranks are watched by the scale while it runs (`_watch_new_ranks`): a death ends
    it at once, named. Only a finished scale hands them to the engine's watcher, whose
    report of a death kills the engine.
 """
@@ -65,8 +71,12 @@ from wavecore.statemachines import (
     CoordinatorResized,
     Drained,
     DrainRanks,
+    DropRanks,
+    GroupLeft,
+    LeaveGroup,
     PauseMode,
     PauseRanks,
+    RanksLost,
     RanksPaused,
     RanksReady,
     ReconfigurationActiveError,
@@ -109,10 +119,42 @@ class Scaler:
         # Lives as long as one scale: watches the ranks it starts (`_watch_new_ranks`).
         self._watches: anyio.abc.TaskGroup | None = None
         self._new_ranks: tuple[int, ...] = ()
+        # While a shrink runs: why its ranks are gone (for their requests' errors), and
+        # whether their requests without output go to a survivor.
+        self._loss: str | None = None
+        self._resend = True
 
     @property
     def active(self) -> bool:
         return self._machine.active
+
+    @property
+    def shrinking(self) -> bool:
+        return self._machine.active and self._loss is not None
+
+    async def shrink(
+        self, host: ScaleHost, lost: tuple[int, ...], cause: str, *, resend: bool
+    ) -> None:
+        """Rule 5: go on without the `lost` ranks (`cause` says why they are gone; with
+        `resend` their requests without output go to a survivor); raises
+        `ScalingFailedError` where the engine cannot go on."""
+        old = host.dp_size
+        actions = self._machine.handle(RanksLost(old_dp_size=old, lost=lost))
+        self._loss, self._resend = cause, resend
+        host.reconfiguring(True)
+        try:
+            await self._run(host, actions, None)
+        except Exception as error:
+            where = _PHASES[self._machine.phase]
+            if self._machine.active:
+                self._machine.handle(ScaleAborted(reason=str(error)))
+            raise ScalingFailedError(
+                f"shrinking from {old} ranks around the lost ranks {list(lost)} failed "
+                f"{where} ({cause}): {type(error).__name__}: {error}"
+            ) from error
+        finally:
+            self._loss = None
+            host.reconfiguring(False)
 
     async def scale(self, host: ScaleHost, new_dp_size: int, drain_timeout: float | None) -> None:
         old = host.dp_size
@@ -193,6 +235,12 @@ class Scaler:
                 lambda cid: m.UtilityCall(call_id=cid, method="pause", pause_mode=keep),
             )
             return RanksPaused()
+        if isinstance(action, DropRanks):
+            await self._drop_ranks(host, action)
+            return None
+        if isinstance(action, LeaveGroup):
+            await self._leave_group(host, action.ranks)
+            return GroupLeft()
         if isinstance(action, SwitchGroup):
             self._generation += 1
             prefix = self._prefix()
@@ -319,6 +367,57 @@ class Scaler:
             while host.unfinished_on(leaving):
                 await host.request_finished()
 
+    async def _drop_ranks(self, host: ScaleHost, action: DropRanks) -> None:
+        """Kill the lost ranks' processes and renumber the survivors everywhere, the
+        wiring first: nothing awaits between the two, so every message sent after this
+        reaches the rank its number now names."""
+        wiring = self._wiring
+        processes: dict[str, BaseProcess] = wiring.processes
+        lost_senders = [wiring.to_ranks[rank] for rank in action.ranks]
+        wiring.to_ranks[:] = [wiring.to_ranks[rank] for rank in action.survivors]
+        wiring.dp_size = len(action.survivors)
+        lost = {name: processes.pop(name, None) for name in map(process_name, action.ranks)}
+        kept = [processes.pop(process_name(rank), None) for rank in action.survivors]
+        for rank, process in enumerate(kept):
+            if process is not None:
+                processes[process_name(rank)] = process
+                if wiring.watcher is not None:
+                    wiring.watcher.watch(process_name(rank), process)
+        dead = {}
+        for name, process in lost.items():
+            if process is None:
+                continue  # a headless rank elsewhere: its own host reaps it
+            if wiring.watcher is not None:
+                wiring.watcher.forget(process)
+            if process.is_alive():
+                process.kill()  # a stuck rank (SIGKILL ends a stopped one too)
+            dead[f"{name} (retired, pid {process.pid})"] = process
+        processes.update(dead)
+        names = ", ".join(map(process_name, action.ranks))
+        error = f"{names} lost ({self._loss}); the engine goes on with {len(kept)} ranks"
+        await host.lose_ranks(action.ranks, action.survivors, error, resend=self._resend)
+        with anyio.CancelScope(shield=True):
+            for sender in lost_senders:
+                await sender.aclose()
+                closed = self._sender_closed.pop(id(sender), None)
+                if closed is not None:
+                    closed.set()
+            await reap(dead, grace=0.0)
+
+    async def _leave_group(self, host: ScaleHost, ranks: tuple[int, ...]) -> None:
+        """Every survivor leaves the broken group under its new number; one blocked in
+        a collective answers once that collective fails (at the latest after the
+        collective timeout)."""
+        bound = 2 * self._config.collective_timeout
+        with _within(bound, "leaving the broken group"):
+            async with anyio.create_task_group() as tg:
+                for rank in ranks:
+                    tg.start_soon(
+                        host.call_ranks,
+                        (rank,),
+                        lambda cid, rank=rank: m.LeaveGroup(call_id=cid, rank=rank),
+                    )
+
     async def _watch_new_ranks(self, ranks: tuple[int, ...]) -> None:
         """A new rank that dies while the scale runs ends it at once (and the scale is
         rolled back), naming the rank, the phase and how it ended ("new rank 2 exited
@@ -412,6 +511,7 @@ _PHASES = {
     ScalePhase.STARTING: "during startup",
     ScalePhase.DRAINING: "while the leaving ranks drained",
     ScalePhase.PAUSING: "while pausing the ranks",
+    ScalePhase.LEAVING: "while leaving the broken group",
     ScalePhase.SWITCHING: "while switching to the new group",
     ScalePhase.RESIZING: "while resizing the coordinator",
     ScalePhase.RESUMING: "while resuming the ranks",

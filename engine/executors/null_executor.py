@@ -17,6 +17,11 @@ records the token whose KV would be there. Every chunk first checks that its blo
 table already holds the request's earlier tokens (which catches a wrong prefix-cache
 hit, a block shared or freed too early, a bad block table), then writes its own.
 
+With `step_seconds=t` every `execute` lasts `t` seconds: it sleeps what its own work
+left of them, releasing the GIL as a GPU's forward would. A stand-in for a model whose
+step takes a fixed time, to measure what the engine's Python costs around it
+(`bench/batch_queue.py`).
+
 Sleep levels and wake tags follow the `Executor` protocol; running a batch while the
 weights or the KV cache are asleep raises `ExecutorAsleepError`, and anything after
 `close()` raises `ExecutorClosedError`.
@@ -24,6 +29,7 @@ weights or the KV cache are asleep raises `ExecutorAsleepError`, and anything af
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -92,6 +98,7 @@ class NullExecutor:
         eos_token_id: int | None = None,
         eos_at_output: int | None = None,
         track_kv: bool = False,
+        step_seconds: float = 0.0,
     ) -> None:
         _check_int("num_kv_blocks", num_kv_blocks, low=1)
         _check_int("block_size", block_size, low=1)
@@ -104,6 +111,10 @@ class NullExecutor:
                     f"NullExecutor eos_token_id {eos_token_id} is outside the vocabulary "
                     f"of {vocab_size}"
                 )
+        if isinstance(step_seconds, bool) or not isinstance(step_seconds, int | float):
+            raise ValueError(f"NullExecutor step_seconds must be a number, got {step_seconds!r}")
+        if step_seconds < 0:
+            raise ValueError(f"NullExecutor step_seconds must be >= 0, got {step_seconds!r}")
         if eos_at_output is not None:
             _check_int("eos_at_output", eos_at_output, low=0)
             if eos_token_id is None:
@@ -115,6 +126,7 @@ class NullExecutor:
         self.eos_token_id = eos_token_id
         self.eos_at_output = eos_at_output
         self.track_kv = track_kv
+        self.step_seconds = step_seconds
         self._weights_awake = True
         self._kv_awake = True
         self._token_shift = 0
@@ -151,6 +163,7 @@ class NullExecutor:
         return _past_eos(token, self.vocab_size, self.eos_token_id)
 
     def execute(self, batch: ModelBatch) -> ModelOutput:
+        started = time.perf_counter()
         self._check_awake("execute")
         block_size = self._block_size
         vocab_size = self.vocab_size
@@ -182,6 +195,8 @@ class NullExecutor:
                 sampled.append(build_sampled(chunk.request_id, token))
         self.num_steps += 1
         self.num_tokens += num_tokens
+        if self.step_seconds:
+            time.sleep(max(0.0, started + self.step_seconds - time.perf_counter()))
         return ModelOutput(sampled=tuple(sampled))
 
     def execute_dummy(self) -> None:

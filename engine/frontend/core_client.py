@@ -8,7 +8,7 @@ processes and a coordinator over nng channels). Both carry the same messages
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from wavecore.engine.errors import EngineDeadError
@@ -44,6 +44,10 @@ class CoreClient(Protocol):
 
     def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Report the death of a rank (or of what carries its messages) to ``callback``."""
+
+    def attach(self, host: ScaleHost) -> None:
+        """The front end it serves: a client that shrinks its group around a lost rank
+        (`on_rank_failure="shrink"`) drives it through the shrink."""
 
     async def root_cause(
         self, error: EngineDeadError, *, in_collective: bool = False
@@ -96,3 +100,20 @@ class ScaleHost(Protocol):
 
     async def coordinator_size(self, dp_size: int) -> None:
         """Return once the coordinator published a view of ``dp_size`` ranks."""
+
+    def shrink_refused(self) -> str | None:
+        """Why the engine cannot shrink around a lost rank now (paused, asleep, a
+        reconfiguration or weight update running), else None."""
+        ...
+
+    def reconfiguring(self, active: bool) -> None:
+        """A shrink starts or ends: calls that a scale refuses are refused meanwhile."""
+
+    async def lose_ranks(
+        self, lost: Collection[int], survivors: Sequence[int], error: str, *, resend: bool
+    ) -> None:
+        """The ``lost`` ranks are gone: their requests with output end with finish reason
+        "error" and ``error``, those with none yet go to a survivor (with ``resend``, and
+        once per request; else they end so too), calls stop waiting
+        for them (failing with ``error``), and the ``survivors`` become ranks
+        ``0..len(survivors)-1`` in every table."""

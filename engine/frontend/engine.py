@@ -445,6 +445,62 @@ class FrontEnd:
             await self._published.wait()
             self._check_open()
 
+    def shrink_refused(self) -> str | None:
+        if self._scaling:
+            return "a scale was running"
+        if self._paused or self._pausing is not None or self._sleeping or self._asleep:
+            return "the engine was paused or asleep"
+        if self._weights.updating:
+            return "update_weights was running"
+        return None
+
+    def reconfiguring(self, active: bool) -> None:
+        self._scaling = active
+
+    async def lose_ranks(
+        self, lost: Collection[int], survivors: Sequence[int], error: str, *, resend: bool
+    ) -> None:
+        new = {old: rank for rank, old in enumerate(survivors)}
+        again: list[str] = []
+        for request_id, rank in list(self._owner.items()):
+            stream = self._streams[request_id]
+            if rank in new:
+                self._owner[request_id] = new[rank]
+            elif resend and not stream.produced_output and not stream.resent:
+                again.append(request_id)
+            else:
+                stream.end_with_error(error)
+                self._finished(request_id)
+        for call_id, call in list(self._calls.items()):
+            if call.waiting_for & set(lost):
+                call.errors.append(error)
+            call.waiting_for = {new[rank] for rank in call.waiting_for if rank in new}
+            if not call.waiting_for:
+                del self._calls[call_id]
+                call.done.set()
+        self._outbox = deque((new[rank], item) for rank, item in self._outbox if rank in new)
+        inflight = [self._balancer.inflight[old] for old in survivors]
+        self._requests_per_rank = [self._requests_per_rank[old] for old in survivors]
+        self._dp_size = len(survivors)
+        self.route_to(len(survivors))
+        self._balancer.inflight = inflight
+        for request_id in again:
+            # No output yet: sent again whole, once (it may be what broke its rank), so
+            # its caller sees one exact answer.
+            stream = self._streams[request_id]
+            stream.resent = True
+            request = stream.request
+            rank = self._balancer.pick()
+            self._owner[request_id] = rank
+            self._requests_per_rank[rank] += 1
+            message = m.AddRequest(
+                request_id=request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                params=request.params,
+                wave=self._wave,
+            )
+            await self._send(rank, message)
+
     # -- calls -------------------------------------------------------------------------
 
     def _check_not_scaling(self, what: str) -> None:
@@ -668,6 +724,7 @@ async def serving(core: CoreClient) -> AsyncIterator[FrontEnd]:
     """The front end over `core`, its tasks running for the block's lifetime."""
     front = FrontEnd(core)
     core.on_death(front.die)
+    core.attach(front)
     async with anyio.create_task_group() as tg:
         tg.start_soon(front.receive_outputs)
         tg.start_soon(front.receive_state)

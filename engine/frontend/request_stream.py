@@ -29,6 +29,8 @@ from wavecore.engine.scheduler import RequestUpdate
 class RequestStream:
     def __init__(self, request: EngineRequest, tokenizer: Decoder) -> None:
         self.request_id = request.request_id
+        self.request = request  # kept to send it again if its rank is lost before output
+        self.resent = False
         self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
         self._stops = StopChecker(request.params.stop)
         self._prompt_tokens = len(request.prompt_token_ids)
@@ -40,6 +42,7 @@ class RequestStream:
         self._token_ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
         self._finish_reason: str | None = None
+        self._error_text: str | None = None
         self._has_output = False
         self._version: str | None = None  # the weights of the output not yet taken
         self._sealed: deque[CompletionDelta] = deque()
@@ -88,6 +91,22 @@ class RequestStream:
         self._ready.set()
         return stop_hit
 
+    @property
+    def produced_output(self) -> bool:
+        """Whether any step produced output for this request yet."""
+        return self._output_tokens > 0 or self.finished
+
+    def end_with_error(self, error: str) -> None:
+        """End the stream with finish reason "error" and `error`, after any output not
+        taken yet (its rank was lost)."""
+        if self.finished:
+            return
+        self._finish_reason = "error"
+        self._error_text = error
+        self.finished = True
+        self._has_output = True
+        self._ready.set()
+
     def fail(self, error: BaseException) -> None:
         """End the stream with `error`, raised to the consumer after any pending output."""
         self._error = error
@@ -125,6 +144,7 @@ class RequestStream:
             usage=Usage(prompt_tokens=self._prompt_tokens, output_tokens=self._output_tokens),
             logprobs=tuple(self._logprobs),
             weight_version=self._version,
+            error=self._error_text if self._finish_reason is not None else None,
         )
         self._text, self._token_ids, self._logprobs = [], [], []
         self._has_output = False

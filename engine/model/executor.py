@@ -34,6 +34,7 @@ from wavecore.engine.executors.rpc import remote_callable
 from wavecore.engine.executors.weight_specs import check_update
 from wavecore.engine.model.batch_plan import CacheGeometry, plan_forward
 from wavecore.engine.model.config import ModelConfig
+from wavecore.engine.model.kernel_choice import KernelChoice, choose_kernels
 from wavecore.engine.model.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
 from wavecore.engine.model.llama import LlamaModel
 from wavecore.engine.model.resolve import resolve_model_source
@@ -115,6 +116,11 @@ class ModelExecutor:
         if self._device.type == "cpu":
             _use_all_cores()
         config = source.config
+        # Which kernel each projection product runs on this machine (measured once per
+        # machine and cached; `kernel_choice.py`).
+        self._kernels = choose_kernels(
+            config, device=self._device, dtype=self._dtype, weights=self._weights
+        )
         self._block_size = block_size
         self._num_blocks = blocks_for_budget(
             kv_cache_memory, bytes_per_block(config, block_size, self._dtype), self._device
@@ -176,6 +182,11 @@ class ModelExecutor:
     def weights(self) -> WeightFormat:
         """How the projections are stored: "float32" (the model's dtype) or "int8"."""
         return self._weights
+
+    @property
+    def kernels(self) -> KernelChoice:
+        """The CPU and the projection kernel chosen per shape class (`kernel_plan.py`)."""
+        return self._kernels
 
     @property
     def streamed_weight_bytes(self) -> int:
@@ -365,6 +376,8 @@ class ModelExecutor:
             origin=self._source.path,
             device=device,
             dtype=self._dtype,
+            # int8 weights are quantized from the default float layout.
+            kernels=self._kernels.plan if self._weights == "float32" else None,
         )
         if self._weights == "int8":
             from wavecore.engine.model.int8_weights import quantize_weights

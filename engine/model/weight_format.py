@@ -40,4 +40,4 @@ def build_projection(
     replaces: int8 with `like`'s calibration, or float in the model's dtype."""
     if isinstance(like, Int8Projection):
         return Int8Projection.build(matrix, like.input_range)
-    return Projection.build(matrix, device=device, dtype=dtype)
+    return Projection.build(matrix, device=device, dtype=dtype, kernels=like.kernels)

@@ -22,6 +22,7 @@ import torch
 
 from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.errors import ModelLoadError
+from wavecore.engine.model.kernel_plan import KernelPlan
 from wavecore.engine.model.linear import Projection
 from wavecore.engine.model.weight_format import AnyProjection
 
@@ -79,8 +80,10 @@ class ModelWeights:
         origin: Path,
         device: torch.device,
         dtype: torch.dtype,
+        kernels: KernelPlan | None = None,
     ) -> ModelWeights:
-        """Check every tensor's shape against `config`, then fuse and move to `device`."""
+        """Check every tensor's shape against `config`, then fuse and move to `device`,
+        each projection laid out for `kernels` (`linear.Projection.build`)."""
         hidden, vocab = config.hidden_size, config.vocab_size
 
         def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -97,7 +100,7 @@ class ModelWeights:
             return tensor.to(device=device, dtype=dtype).contiguous()
 
         def project(matrix: torch.Tensor) -> Projection:
-            return Projection.build(matrix, device=device, dtype=dtype)
+            return Projection.build(matrix, device=device, dtype=dtype, kernels=kernels)
 
         layers = []
         for i in range(config.num_layers):

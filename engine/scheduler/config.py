@@ -20,7 +20,8 @@ class SchedulerConfig:
     each); `max_num_seqs` caps the running requests. `prefill_interval` throttles
     admission: new requests are admitted only on steps where
     `step % prefill_interval == 0`. `eos_token_id` finishes a request (STOP) unless its
-    sampling says `ignore_eos`.
+    sampling says `ignore_eos`. `async_scheduling` allows two steps in flight: the next
+    is scheduled before the last one's samples are known (the batch queue).
     """
 
     num_kv_blocks: int
@@ -31,6 +32,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     prefill_interval: int = 1
     eos_token_id: int | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -44,6 +46,8 @@ class SchedulerConfig:
             _check_positive(name, getattr(self, name))
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError("SchedulerConfig.enable_prefix_caching must be a bool")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError("SchedulerConfig.async_scheduling must be a bool")
         if self.eos_token_id is not None and (
             isinstance(self.eos_token_id, bool)
             or not isinstance(self.eos_token_id, int)

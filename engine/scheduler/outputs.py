@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from wavecore.engine.executors.batch import ModelBatch, SampledToken
+from wavecore.engine.executors.batch import ModelBatch, ModelOutput, SampledToken
 from wavecore.statemachines.request import FinishReason
+
+from .errors import StepOrderError
 
 if TYPE_CHECKING:
     from .request import Request
@@ -39,6 +41,10 @@ class SchedulerOutput:
 
     `requests[i]` is the scheduler's record for `batch.chunks[i]`; treat it as opaque.
     `num_sampled` chunks sample, so the executor returns that many `SampledToken`s.
+
+    `placeholders` (async scheduling only) pairs the one-token list of each decode whose
+    input is the previous step's sample, not known when this step was scheduled, with
+    its request id: `resolve_placeholders` fills them in before the forward.
     """
 
     step: int
@@ -47,10 +53,26 @@ class SchedulerOutput:
     num_sampled: int
     num_preempted: int
     stats: SchedulerStats
+    placeholders: tuple[tuple[list[int], str], ...] = ()
 
     @property
     def is_empty(self) -> bool:
         return not self.batch.chunks
+
+    def resolve_placeholders(self, previous: ModelOutput) -> None:
+        """Put the previous step's samples into this step's placeholder slots (on the
+        model thread, after that step's forward and before this one's)."""
+        if not self.placeholders:
+            return
+        sampled = {sample.request_id: sample.token_id for sample in previous.sampled}
+        for slot, request_id in self.placeholders:
+            token_id = sampled.get(request_id)
+            if token_id is None:
+                raise StepOrderError(
+                    f"request {request_id!r} waits for a sample of the previous step, "
+                    "which has none for it"
+                )
+            slot[0] = token_id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -24,6 +24,16 @@ Theory of operation:
 - Positions are committed at schedule time: `num_computed_tokens` includes the step
   in flight. `update()` appends each sampled token, applies the stop rules, registers
   newly full blocks in the prefix cache, and frees finished requests' blocks.
+- Async scheduling (the batch queue): with `config.async_scheduling` a second step may
+  be scheduled before the first one's `update()`; updates come in schedule order. A
+  running request whose computed tokens reach its known tokens has a sample in flight:
+  it decodes that unknown token (a placeholder, `pending_tokens`, resolved on the
+  model thread before the forward), with KV allocated and budget counted like any
+  decode, unless that sample will finish it by length. Its sample in the later step is
+  dropped by `update()` if the earlier one finished it, like any finished request's.
+  A block is registered in the prefix cache once every step that computes its KV is
+  launched: the model thread runs steps in order, so a later step that reads it runs
+  after its KV is written.
 - Aborts and finishes may arrive at any time, also between `schedule()` and
   `update()`: the request is finished and its blocks freed at once, and `update()`
   skips samples of requests that are no longer running. A freed request's block
@@ -60,6 +70,7 @@ from .errors import (
 )
 from .fast_build import build_chunk, build_update
 from .outputs import RequestUpdate, SchedulerOutput, SchedulerStats
+from .pending_tokens import PLACEHOLDER, PendingTokens
 from .request import Request
 
 _RUNNING = RequestState.RUNNING
@@ -90,7 +101,10 @@ class Scheduler:
         # admit nothing new (running requests drain), KEEP schedules nothing at all.
         self._pause: PauseMode | None = None
         self._step = 0
-        self._in_flight: SchedulerOutput | None = None
+        # Steps scheduled and not yet updated, oldest first: at most one, or two with
+        # async scheduling.
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._max_in_flight = 2 if config.async_scheduling else 1
         self._last_stats = self._snapshot(step=0, num_seqs=0, num_tokens=0, num_preempted=0)
 
     # -- queries -------------------------------------------------------------------
@@ -247,8 +261,10 @@ class Scheduler:
 
     def schedule(self, step: int | None = None) -> SchedulerOutput:
         """Choose the next batch. `step` feeds the prefill throttle (default: own count)."""
-        if self._in_flight is not None:
-            raise StepOrderError("schedule() called again before update() of the last step")
+        if len(self._in_flight) == self._max_in_flight:
+            raise StepOrderError(
+                f"schedule() called with {self._max_in_flight} step(s) in flight and not updated"
+            )
         if step is None:
             step = self._step
         self._step += 1
@@ -262,6 +278,7 @@ class Scheduler:
         running = self._running
         chunks: list[SequenceChunk] = []
         requests: list[Request] = []
+        placeholders: list[tuple[list[int], str]] = []
         num_sampled = 0
         num_preempted = 0
 
@@ -274,9 +291,18 @@ class Scheduler:
             tokens = request.token_ids
             total = len(tokens)
             table = request.block_table
+            history: Sequence[int] = tokens
             if total - computed == 1:  # a decode
                 end = total
                 token_ids = (tokens[-1],)
+            elif total == computed:  # its sample is in flight (async scheduling only)
+                if total + 1 >= request.max_len:
+                    continue  # that sample finishes it by length
+                total = end = total + 1
+                token_ids = [PLACEHOLDER]
+                history = PendingTokens(tokens, end, token_ids)
+                # (Preempted below for want of a block, it leaves a slot filled unread.)
+                placeholders.append((token_ids, request.request_id))
             else:  # a prefill that continues
                 end = total if total - computed <= budget else computed + budget
                 token_ids = tokens[computed:end]
@@ -300,7 +326,7 @@ class Scheduler:
                     table,
                     sample,
                     request.sampling,
-                    tokens,
+                    history,
                     request.prompt_len,
                 )
             )
@@ -312,19 +338,22 @@ class Scheduler:
             budget, num_sampled = self._admit(chunks, requests, budget, num_sampled)
 
         num_tokens = config.max_num_batched_tokens - budget
-        return self._output(step, chunks, requests, num_sampled, num_tokens, num_preempted)
+        return self._output(
+            step, chunks, requests, num_sampled, num_tokens, num_preempted, tuple(placeholders)
+        )
 
     def update(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[RequestUpdate]:
         """Apply one step's samples; return one `RequestUpdate` per request that got a token.
 
-        Requests finished or aborted since `schedule()` are skipped. Raises
-        `StepOrderError` for an output that is not the last `schedule()`'s, and
+        Requests finished, aborted or preempted since `schedule()` are skipped. Raises
+        `StepOrderError` for an output that is not the oldest step's in flight, and
         `OutputMismatchError` (changing nothing) if `output` does not match its batch.
         """
-        if scheduled is not self._in_flight:
+        in_flight = self._in_flight
+        if not in_flight or scheduled is not in_flight[0]:
             if scheduled.is_empty and not output.sampled:
                 return []
-            raise StepOrderError("update() got an output that is not the last schedule()'s")
+            raise StepOrderError("update() got an output that is not the oldest step's in flight")
         samples = output.sampled
         chunks = scheduled.batch.chunks
         expected = [chunk.request_id for chunk in chunks if chunk.sample]
@@ -333,7 +362,7 @@ class Scheduler:
                 f"the executor returned {len(samples)} samples for {len(expected)} sampling "
                 f"chunks, or in another order"
             )
-        self._in_flight = None
+        in_flight.popleft()
 
         block_manager = self.block_manager
         caching = block_manager.enable_prefix_caching
@@ -425,6 +454,7 @@ class Scheduler:
         num_sampled: int,
         num_tokens: int,
         num_preempted: int,
+        placeholders: tuple[tuple[list[int], str], ...] = (),
     ) -> SchedulerOutput:
         stats = self._snapshot(
             step=step, num_seqs=len(chunks), num_tokens=num_tokens, num_preempted=num_preempted
@@ -437,9 +467,10 @@ class Scheduler:
             num_sampled=num_sampled,
             num_preempted=num_preempted,
             stats=stats,
+            placeholders=placeholders,
         )
         if chunks:
-            self._in_flight = output
+            self._in_flight.append(output)
         return output
 
     def _snapshot(

@@ -31,10 +31,19 @@ from wavecore.engine.model import (
     load_executor,
 )
 
+# What each `projections` layout forces (`WAVECORE_KERNELS`).
+LAYOUT_KERNELS = {
+    "packed": "onednn",
+    "plain": "blas",
+    "mixed": "decode=blas,small=onednn,large=onednn,prefill=onednn",
+}
 
-@pytest.fixture(params=["packed", "plain"])
+
+@pytest.fixture(params=["packed", "plain", "mixed"])
 def projections(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both weight layouts: oneDNN-packed (the CPU default) and plain (as on CUDA)."""
+    """Every weight layout: oneDNN-packed, plain (as on CUDA), and both with the kernel
+    chosen by rows (BLAS for one row, oneDNN for more), forced rather than measured."""
+    monkeypatch.setenv("WAVECORE_KERNELS", LAYOUT_KERNELS[request.param])
     if request.param == "plain":
         monkeypatch.setattr(linear, "can_pack", lambda device, dtype: False)
     elif not linear.can_pack(torch.device("cpu"), torch.float32):

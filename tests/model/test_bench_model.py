@@ -38,5 +38,11 @@ def test_quick_bench_writes_results(tiny_hf_dir: Path, tmp_path: Path) -> None:
         assert row["wavecore_roof_fraction"] > 0
         assert row["int8_tok_s"] > 0 and row["int8_vs_float32"] > 0
     assert 0 < results["int8_weight_bytes_per_token"] < results["weight_bytes_per_token"]
-    assert results["cpu_model"]
+    assert results["cpu_model"] and results["kernels"]["cpu"] == results["cpu_model"]
+    assert results["int8_kernels"]["decode"] == "fbgemm"
+    if results["kernels"]["origin"] != "fixed":  # a CPU with oneDNN: a choice to show
+        rows = {row["kernels"]: row for row in results["kernels_batch1"]}
+        assert set(rows) == {"chosen", "forced blas", "forced onednn"}
+        assert rows["forced blas"]["plan"]["decode"] == "blas"
+        assert all(row["batch1_tok_s"] > 0 for row in rows.values())
     assert results["transformers_generate_batch1_tok_s"] > 0

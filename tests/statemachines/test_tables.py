@@ -13,12 +13,15 @@ from wavecore.statemachines import (
     CoordinatorResized,
     Drained,
     FirstRequest,
+    GroupLeft,
+    GroupLost,
     PauseMode,
     PauseRequested,
     PauseState,
     ProtocolError,
     RankMachine,
     RankPhase,
+    RanksLost,
     RanksPaused,
     RanksReady,
     RankStartedWave,
@@ -69,6 +72,7 @@ RANK_EVENTS = [
     SwitchRequested(dp_size=3),
     Reconfigured(rank=1, dp_size=3, wave=2, running=False, step_counter=1),
     Reconfigured(rank=1, dp_size=3, wave=2, running=True, step_counter=1),
+    GroupLost(),
 ]
 
 
@@ -172,6 +176,8 @@ SCALING_EVENTS = [
     CoordinatorResized(),
     Resumed(),
     ScaleAborted(reason="test"),
+    RanksLost(old_dp_size=2, lost=(0,)),
+    GroupLeft(),
 ]
 
 

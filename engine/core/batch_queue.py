@@ -1,0 +1,175 @@
+"""The batch queue (`EngineConfig(async_scheduling=True)`): a rank schedules its next
+step while the current one runs, so the model never waits for the engine's Python.
+
+Theory of operation:
+
+1. The rank runner answers the loop's `RunStep` here. At most one step is in flight
+   AHEAD of the loop: answering for step N, the queue schedules step N+1 and starts it
+   on the model thread before it waits for N, so N+1 is queued there when N's forward
+   ends, and the update of N, the outputs' flush, the next iteration's inputs and the
+   scheduling of N+2 all overlap N+1's forward.
+2. N+1 is scheduled before N's samples are known. The scheduler gives each request
+   that samples in N a placeholder decode in N+1 (KV allocated, budget counted); the
+   job of N+1 fills the placeholders from N's output on the model thread, right before
+   its forward (jobs run in order there, so N's output exists). A request that N
+   finishes (stop token, length) or that is aborted, stopped or preempted before N+1's
+   update has its N+1 sample dropped by the scheduler's update: it is never emitted.
+3. The machine needs no change: it gets one `StepDone` per forward, in order, as from
+   the serial loop, so a lockstep rank's votes and dummy batches stay in step with its
+   forwards. A step is started ahead only when a copy of the loop says that, if the
+   current step leaves work, the loop steps again (the machine is pure, and nothing
+   reaches it between that question and the real answer). When the current step
+   leaves no work, the step ahead holds only finished requests: it is drained at once
+   (waited for, its update applied, which emits nothing) and never reported, so the
+   loop goes on as if it never ran.
+4. Everything that is not another step (a dummy batch, a collective, a sleep or wake,
+   a rank call, blocking for input) is preceded by `drain()`, so it finds the state
+   of the serial loop: no forward in flight, every sample applied.
+5. Aborts still win over the step that was running when they arrived (the runner's
+   rule 4): they are taken after each forward, before its update.
+6. Every other input takes effect from the next step scheduled after it, which under
+   the queue is one step later than in the serial loop: a KEEP or WAIT pause may let
+   one more step's tokens land before it completes. What a stream carries does not
+   change: a request's tokens do not depend on when they are computed, and what a
+   KEEP pause holds back, the resume gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from wavecore.engine.core.engine_core import EngineCore
+from wavecore.engine.core.model_thread import ModelJob, ModelThread
+from wavecore.engine.executors.batch import ModelOutput
+from wavecore.engine.scheduler import RequestUpdate, SchedulerOutput
+from wavecore.statemachines import (
+    NotifyStartWave,
+    NotifyWaveComplete,
+    PauseMode,
+    ProtocolError,
+    RankLoop,
+    RankMachine,
+    RunStep,
+    StartVote,
+    StepDone,
+)
+
+# What the copy of the loop is asked: the current step ran and left work.
+_WORK_LEFT = StepDone(executed=True, has_unfinished=True)
+
+InFlight = tuple[SchedulerOutput, ModelJob[ModelOutput]]
+
+
+class BatchQueue:
+    """One rank's queue of at most one step ahead; see the module docstring. `emit`
+    takes a step's updates (the runner's effects), `counts` are the runner's counters."""
+
+    def __init__(
+        self,
+        *,
+        core: EngineCore,
+        thread: ModelThread,
+        loop: RankLoop,
+        counts: dict[str, int],
+        emit: Callable[[list[RequestUpdate]], None],
+    ) -> None:
+        self._core = core
+        self._thread = thread
+        self._loop = loop
+        self._counts = counts
+        self._emit = emit
+        self._ahead: InFlight | None = None
+
+    async def step(self, take_aborts: Callable[[], None]) -> StepDone:
+        """Answer the loop's `RunStep` (rule 1); `take_aborts` applies the aborts waiting
+        in the inbox."""
+        core = self._core
+        current = self._ahead
+        if current is None:
+            step = self._schedule(self._loop.machine)
+            if step is None:
+                return StepDone(executed=False, has_unfinished=core.has_unfinished())
+            current = (step, self._thread.start(core.execute, step))
+        self._ahead = self._start_next(current[1])
+        await self._finish(current, take_aborts)
+        done = StepDone(executed=True, has_unfinished=core.has_unfinished())
+        if not done.has_unfinished:
+            await self.drain(take_aborts)  # rule 3: only finished requests in it
+        return done
+
+    async def drain(self, take_aborts: Callable[[], None]) -> None:
+        """Wait for the step ahead, if any, and apply its update (rule 4)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            await self._finish(ahead, take_aborts)
+
+    def _start_next(self, previous: ModelJob[ModelOutput]) -> InFlight | None:
+        """Schedule and start the step after `previous` if the loop will want it."""
+        predicted = self._loop.copy()
+        try:
+            predicted.complete(_WORK_LEFT, _NO_EFFECTS)
+        except ProtocolError:
+            return None  # the machine refuses a step now; the real answer will tell why
+        if not isinstance(predicted.pending, RunStep):
+            return None
+        step = self._schedule(predicted.machine)  # its step count after the current step
+        if step is None:
+            return None
+        return step, self._thread.start(self._execute_after, step, previous)
+
+    def _schedule(self, machine: RankMachine) -> SchedulerOutput | None:
+        # Lockstep ranks admit prefills on the same steps: those of their shared count.
+        return self._core.schedule(machine.step_counter if machine.lockstep else None)
+
+    def _execute_after(self, step: SchedulerOutput, previous: ModelJob[ModelOutput]) -> ModelOutput:
+        """On the model thread, after `previous` ran: resolve, then run the forward."""
+        step.resolve_placeholders(previous.result())
+        return self._core.execute(step)
+
+    async def _finish(self, in_flight: InFlight, take_aborts: Callable[[], None]) -> None:
+        step, job = in_flight
+        output = await job.wait()
+        take_aborts()
+        self._emit(self._core.update(step, output))
+        self._counts["real_steps"] += 1
+
+
+class _NoEffects:
+    """The `RankEffects` of the loop's copy that `_start_next` questions: it does
+    nothing, the real loop performs the same actions a moment later."""
+
+    def add_request(self, request_id: str, payload: object) -> None:
+        pass
+
+    def abort_requests(self, request_ids: tuple[str, ...]) -> None:
+        pass
+
+    def stop_requests(self, request_ids: tuple[str, ...]) -> None:
+        pass
+
+    def pause_scheduler(self, mode: PauseMode) -> None:
+        pass
+
+    def resume_scheduler(self) -> None:
+        pass
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def notify_coordinator(self, message: NotifyStartWave | NotifyWaveComplete) -> None:
+        pass
+
+    def start_vote(self, vote: StartVote) -> None:
+        pass
+
+    def announce_held(self, request_ids: tuple[str, ...], reason: str) -> None:
+        pass
+
+    def report(self) -> object:
+        return None
+
+    def reply(self, call_id: int, *, error: str | None = None, result: object = None) -> None:
+        pass
+
+
+_NO_EFFECTS = _NoEffects()
