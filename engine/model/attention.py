@@ -28,6 +28,7 @@ each key block is then read once per KV head, not once per query head.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -80,29 +81,17 @@ def paged_attention(
 
     The pools must already hold this pass's keys and values.
     """
-    if queries.is_cuda:
-        with sdpa_kernel(_CUDA_BACKENDS):
-            return _attend(queries, key_pool, value_pool, plan, scale)
-    return _attend(queries, key_pool, value_pool, plan, scale)
-
-
-def _attend(
-    queries: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    plan: AttentionPlan,
-    scale: float,
-) -> torch.Tensor:
-    if len(plan.decodes) == 1 and not plan.prefills:
-        return _decode(queries, key_pool, value_pool, plan.decodes[0], scale)
-    out = torch.empty_like(queries)
-    for decode in plan.decodes:
-        rows = slice(decode.token_start, decode.token_start + decode.num_tokens)
-        out[rows] = _decode(queries[rows], key_pool, value_pool, decode, scale)
-    for prefill in plan.prefills:
-        rows = slice(prefill.token_start, prefill.token_start + prefill.num_tokens)
-        out[rows] = _prefill(queries[rows], key_pool, value_pool, prefill, scale)
-    return out
+    with sdpa_kernel(_CUDA_BACKENDS) if queries.is_cuda else nullcontext():
+        if len(plan.decodes) == 1 and not plan.prefills:
+            return _decode(queries, key_pool, value_pool, plan.decodes[0], scale)
+        out = torch.empty_like(queries)
+        for decode in plan.decodes:
+            rows = slice(decode.token_start, decode.token_start + decode.num_tokens)
+            out[rows] = _decode(queries[rows], key_pool, value_pool, decode, scale)
+        for prefill in plan.prefills:
+            rows = slice(prefill.token_start, prefill.token_start + prefill.num_tokens)
+            out[rows] = _prefill(queries[rows], key_pool, value_pool, prefill, scale)
+        return out
 
 
 def _decode(
