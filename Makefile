@@ -23,11 +23,13 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/wavecore generate --demo
 
-# Every scenario of the explorer at dp 2 and dp 3, depth 40 (two to three minutes
-# each on 2 cores); `make test` runs them shallower (see the README).
+# Every scenario of the explorer at dp 2 and dp 3 to depth 60 or its own cap (see the
+# README), then every broken variant at dp 2, each of which must be caught (exit 1);
+# `make test` runs the scenarios shallower.
 check-protocol: $(STAMP)
-	$(BIN)/python -m wavecore.statemachines.sim --dp 2 --depth 40
-	$(BIN)/python -m wavecore.statemachines.sim --dp 3 --depth 40
+	$(BIN)/python -m wavecore.statemachines.sim --dp 2
+	$(BIN)/python -m wavecore.statemachines.sim --dp 3
+	$(BIN)/python -m wavecore.statemachines.sim --dp 2 --every-variant
 
 # Random rank kills and stops under load with on_rank_failure="shrink": SOAK_SEEDS seeds
 # per DP mode (`make test` runs two).

@@ -13,11 +13,18 @@ Theory of operation:
    timeout, as client moves among the others.
 3. ``run()`` steps until nothing is left to deliver or step, then checks the end-state
    properties. Any broken property raises ``Violation`` carrying the whole trace.
-4. ``python -m wavecore.statemachines.sim --dp 3 --depth 40`` explores every
-   interleaving of the small configurations of ``explore.default_configs`` (a request,
-   pause and resume, a scale up and a scale down, a request during a scale up) and
+4. ``python -m wavecore.statemachines.sim --dp 3`` explores every interleaving of the
+   small configurations of ``explore.default_configs`` (requests, pauses of each mode
+   with resumes, a sleep and its wake, scales up and down with and without a request),
+   to depth 60 unless ``--depth`` or a configuration's own cap says less, and
    exits 0 with "no violation", or 1 with the violating trace; ``--break NAME`` runs a
    deliberately broken variant, ``--scenario NAME`` only the configurations named.
+   Each configuration's line gives the depth reached, the states, the seconds, and
+   whether it explored every reachable state or stopped at its depth bound.
+   ``--reduction none`` turns off the partial-order reduction (``harness/por.py``).
+   ``--every-variant`` runs each broken variant through the scenarios instead and
+   exits 1 if one escapes them all (a rule guarded only by a deeper or special search
+   is a gap).
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .harness.explore import default_configs, explore
+from .harness.explore import ExploreConfig, default_configs, explore
+from .harness.por import REDUCTIONS
 from .harness.variants import VARIANTS
 from .harness.world import ClientRefused, RequestSpec, Violation, World, WorldConfig
 from .rank import PauseMode
@@ -155,12 +163,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Explore every interleaving of a small DP deployment.",
     )
     parser.add_argument("--dp", type=int, default=2, help="number of ranks (2 or 3 is practical)")
-    parser.add_argument("--depth", type=int, default=40, help="maximum number of moves")
+    parser.add_argument("--depth", type=int, default=60, help="maximum number of moves")
     parser.add_argument(
         "--break", dest="variant", choices=sorted(VARIANTS), help="run a deliberately broken rule"
     )
     parser.add_argument(
         "--sync-interval", type=int, default=1, help="steps between lockstep votes (default 1)"
+    )
+    parser.add_argument(
+        "--reduction",
+        choices=REDUCTIONS,
+        default="por",
+        help="por (default): one rank's moves where they stand for all; none: every move",
+    )
+    parser.add_argument(
+        "--every-variant",
+        action="store_true",
+        help="run every broken variant; exit 1 if one is caught by no scenario",
     )
     parser.add_argument(
         "--scenario",
@@ -176,25 +195,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(args.scenario or ()) - set(names))
     if unknown:
         parser.error(f"unknown scenario {', '.join(unknown)} at dp {args.dp}: choose from {names}")
+    if args.every_variant:
+        return _catch_every_variant(configs, args)
     total = 0
     for name, config in configs:
         if args.scenario and name not in args.scenario:
             continue
+        config = replace(config, reduction=args.reduction)
         if args.variant:
             config = config.broken(args.variant)
         started = time.perf_counter()
         result = explore(config, args.depth)
         seconds = time.perf_counter() - started
         total += result.states
+        extent = "every state" if result.complete else "stopped at the depth bound"
         print(
-            f"{name}: dp={args.dp} sync_interval={args.sync_interval} depth={result.depth} "
+            f"{name}: dp={args.dp} sync_interval={args.sync_interval} "
+            f"reduction={result.reduction} depth={result.depth} "
             f"states explored: {result.states} "
-            f"({seconds:.1f} s)"
+            f"({seconds:.1f} s, {extent})"
         )
         if result.violation is not None:
             print(result.violation.report())
             return 1
     print(f"{total} states explored in all: no violation")
+    return 0
+
+
+def _catch_every_variant(
+    configs: tuple[tuple[str, ExploreConfig], ...], args: argparse.Namespace
+) -> int:
+    """Each broken variant must be caught by one of the scenarios at the depth asked
+    for: a rule guarded only by a deeper or special search is a gap."""
+    escaped = []
+    for variant in sorted(VARIANTS):
+        for name, config in configs:
+            if args.scenario and name not in args.scenario:
+                continue
+            broken = replace(config, reduction=args.reduction).broken(variant)
+            result = explore(broken, args.depth)
+            if result.violation is not None:
+                print(
+                    f"{variant}: caught by {name} at depth {result.depth} ({result.violation.rule})"
+                )
+                break
+        else:
+            escaped.append(variant)
+            print(f"{variant}: NOT caught by any scenario at depth {args.depth}")
+    if escaped:
+        print(f"{len(escaped)} broken variants escaped: {', '.join(escaped)}")
+        return 1
+    print(f"all {len(VARIANTS)} broken variants caught")
     return 0
 
 

@@ -10,14 +10,29 @@ Theory of operation:
 3. Every move is checked by the world's invariants; nodes with nothing left to deliver
    or step are also checked for the end-state properties.
 4. The first violation stops the search. Its trace is rebuilt by replaying the moves
-   from the start with tracing on, so only parent links are kept in memory.
+   from the start with tracing on, so only parent links are kept in memory. A
+   ``survey`` goes on past violations instead (a violating move ends its path) and
+   reports every rule broken and every terminal state, to compare searches.
+5. The search is complete when a level adds no new state before the depth bound: then
+   every reachable state was checked. Otherwise it stopped at the bound (``complete``
+   is False) and says nothing of the states beyond.
+6. The cyclic garbage collector is off while the search runs: worlds form no reference
+   cycles, so it would only rescan the hundreds of thousands of live worlds again and
+   again (a third of the time in the large configurations), freeing nothing.
+7. With ``reduction="por"`` (the default) a state where one rank's moves stand for
+   every interleaving expands only those, unless one of them leads back to a state
+   first reached at the same or a lower level, or (in a survey) violates; ``por``
+   explains why that hides no violation. A machine that breaks a premise of the
+   reduction (``ReductionError``) is searched again without it.
 """
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field, replace
 
 from ..rank import PauseMode
+from .por import REDUCTIONS, ReductionError, calm_ranks, check_premises, persistent_moves
 from .variants import VARIANTS
 from .world import RequestSpec, Violation, World, WorldConfig
 
@@ -32,6 +47,12 @@ class ExploreConfig:
     # A configuration whose interleavings multiply too fast caps the depth it is
     # explored to, whatever depth is asked for.
     depth_limit: int | None = None
+    # "por": expand one rank's moves where they stand for all (rule 7); "none": all.
+    reduction: str = "por"
+
+    def __post_init__(self) -> None:
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"unknown reduction {self.reduction!r}; known: {REDUCTIONS}")
 
     def broken(self, name: str) -> ExploreConfig:
         """The same configuration running the named broken variant."""
@@ -51,9 +72,10 @@ def default_configs(dp_size: int, sync_interval: int = 1) -> tuple[tuple[str, Ex
     """The configurations the command line explores, every one with votes every
     ``sync_interval`` steps.
 
-    A request and a pause together multiply the interleavings: at dp_size 3 that
-    product does not fit the time budget, so there the request and the pause (with a
-    duplicate resume) are explored in separate configurations.
+    A request and a pause (of each mode, then a resume and a duplicate resume) together
+    multiply the interleavings: at dp_size 2 they are explored to depth 40, at dp_size 3
+    (millions of states, even with the partial-order reduction) only to the depth that
+    fits the command line's budget of two minutes a configuration.
     """
     return tuple(
         (name, replace(config, world=replace(config.world, sync_interval=sync_interval)))
@@ -63,7 +85,7 @@ def default_configs(dp_size: int, sync_interval: int = 1) -> tuple[tuple[str, Ex
 
 def _configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
     last = RequestSpec(rank=dp_size - 1, steps=1)
-    pause_resume = (("pause", PauseMode.KEEP), ("resume",), ("resume",))
+    pause_resume = _pause_resume(PauseMode.KEEP)
     # Each call arrives while the previous one's pause, of another mode, is in force.
     pause_modes = (
         ("pause", PauseMode.KEEP),
@@ -78,11 +100,36 @@ def _configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
         ("pause-resume", ExploreConfig(world=WorldConfig(dp_size=dp_size), script=pause_resume)),
         ("pause-modes", ExploreConfig(world=WorldConfig(dp_size=dp_size), script=pause_modes)),
     ]
-    if dp_size <= 2:
-        world = WorldConfig(dp_size=dp_size, duplicate_wave_complete=False)
-        configs.append(
-            ("request-and-pause", ExploreConfig(world=world, requests=(last,), script=pause_resume))
+    world = WorldConfig(dp_size=dp_size, duplicate_wave_complete=False)
+    # A WAIT pause must outlast the request's remaining steps, so that one takes four:
+    # a draining rank that voted for the pause too soon would answer with work left.
+    steps = {PauseMode.KEEP: 1, PauseMode.ABORT: 1, PauseMode.WAIT: 4}
+    for mode, mode_steps in steps.items():
+        suffix = "" if mode is PauseMode.KEEP else f"-{mode.name.lower()}"
+        request_and_pause = ExploreConfig(
+            world=world,
+            requests=(RequestSpec(rank=dp_size - 1, steps=mode_steps),),
+            script=_pause_resume(mode),
+            depth_limit=None if dp_size <= 2 else 14,
         )
+        configs.append((f"request-and-pause{suffix}", request_and_pause))
+    # A WAIT pause while a KEEP pause holds a request with steps left: the frozen
+    # scheduler must stay frozen until the resume.
+    repause = ExploreConfig(
+        world=world,
+        requests=(RequestSpec(rank=dp_size - 1, steps=2),),
+        script=(("pause", PauseMode.KEEP), ("pause", PauseMode.WAIT), ("resume",)),
+        depth_limit=None if dp_size <= 2 else 14,
+    )
+    configs.append(("request-and-repause", repause))
+    # Independent ranks (no votes): a WAIT-pausing rank answers once its last request
+    # finished, without a wave to end.
+    independent = ExploreConfig(
+        world=replace(world, lockstep=False),
+        requests=(RequestSpec(rank=dp_size - 1, steps=2),),
+        script=_pause_resume(PauseMode.WAIT),
+    )
+    configs.append(("independent-request-and-pause-wait", independent))
     # A request for the rank a scale up adds: it reaches rank 0 while the client's table
     # has dp_size ranks, the new rank once the coordinator confirmed the new group.
     grow = ExploreConfig(
@@ -104,7 +151,7 @@ def _configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
         world=WorldConfig(dp_size=dp_size, duplicate_wave_complete=False),
         requests=(last,),
         script=(("sleep", 1, PauseMode.KEEP), ("wake",)),
-        depth_limit=None if dp_size <= 2 else 14,
+        depth_limit=None if dp_size <= 2 else 15,
     )
     return (
         *configs,
@@ -113,6 +160,11 @@ def _configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
         (f"scale-down-{dp_size - 1}-request", shrink),
         ("sleep-keep-wake", sleep_keep),
     )
+
+
+def _pause_resume(mode: PauseMode) -> tuple[ClientOp, ...]:
+    """A pause, its resume, and a duplicate resume (failure mode 7)."""
+    return (("pause", mode), ("resume",), ("resume",))
 
 
 def scale_script(dp_size: int) -> tuple[ClientOp, ...]:
@@ -135,10 +187,24 @@ def scale_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Survey:
+    """What a search that goes on past violations met: every rule broken, and the keys
+    of the terminal states (nothing left to deliver, step or do)."""
+
+    rules: frozenset[str]
+    ends: frozenset[object]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ExploreResult:
     states: int
     depth: int
     violation: Violation | None
+    # Every reachable state was explored (rule 5); False when the depth bound stopped it.
+    complete: bool = False
+    survey: Survey | None = None
+    # The reduction the search ran with (rule 7: "none" where a premise of "por" broke).
+    reduction: str = "none"
 
 
 Node = tuple[World, int]
@@ -182,9 +248,24 @@ def _replay(config: ExploreConfig, moves: list[tuple[object, ...]]) -> Violation
     raise RuntimeError("replaying the violating trace did not reproduce the violation")
 
 
-def explore(config: ExploreConfig, depth: int) -> ExploreResult:
+def explore(config: ExploreConfig, depth: int, *, survey: bool = False) -> ExploreResult:
     """Breadth-first search to ``depth`` moves (at most the configuration's
-    ``depth_limit``); the first violation with its trace."""
+    ``depth_limit``); the first violation with its trace. ``survey``: go on past
+    violations instead and report every rule broken and every terminal state
+    (``Survey``), to compare searches."""
+    collecting = gc.isenabled()
+    gc.disable()  # rule 6
+    try:
+        try:
+            return _search(config, depth, survey)
+        except ReductionError:  # rule 7: a machine broke a premise of the reduction
+            return _search(replace(config, reduction="none"), depth, survey)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _search(config: ExploreConfig, depth: int, survey: bool) -> ExploreResult:
     if config.depth_limit is not None:
         depth = min(depth, config.depth_limit)
     start = World.start(config.world)
@@ -193,38 +274,116 @@ def explore(config: ExploreConfig, depth: int) -> ExploreResult:
     start_key = (start.key(), 0)
     parents: dict[object, tuple[object, tuple[object, ...]] | None] = {start_key: None}
     frontier: list[tuple[object, Node]] = [(start_key, (start, 0))]
+    rules: set[str] = set()
+    ends: set[object] = set()
     reached = 0
     for level in range(depth + 1):
         next_frontier: list[tuple[object, Node]] = []
+        fresh: set[object] = set()  # the keys first reached at the next level
         for key, (world, position) in frontier:
             network = world.network_moves()
+            moves = network + _client_moves(config, world, position)
             try:
                 if not network:
                     world.check_quiescent()
-            except Violation:
-                return ExploreResult(
-                    states=len(parents), depth=level, violation=_replay(config, _path(parents, key))
-                )
+            except Violation as violation:
+                if not survey:
+                    path = _path(parents, key)
+                    return ExploreResult(
+                        states=len(parents),
+                        depth=level,
+                        violation=_replay(config, path),
+                        reduction=config.reduction,
+                    )
+                rules.add(violation.rule)
+                continue
+            if not moves:
+                ends.add(key)
             if level == depth:
                 continue
-            for move in network + _client_moves(config, world, position):
-                child = world.clone()
+            scaling_over = not world.scaler.active and all(
+                op[0] != "scale" for op in config.script[position:]
+            )
+            calm = _calm(config, world, position) if scaling_over else frozenset()
+            submits_left = world.client.submitted < len(config.requests)
+            chosen = (persistent_moves(world, moves, calm, submits_left) if calm else None) or moves
+            children: list[tuple[object, Node, tuple[object, ...]]] = []
+            todo, full = list(chosen), chosen is moves
+            while todo:
+                move = todo.pop(0)
                 try:
-                    child_position = _apply(config, child, position, move)
-                except Violation:
-                    path = [*_path(parents, key), move]
-                    return ExploreResult(
-                        states=len(parents), depth=level + 1, violation=_replay(config, path)
-                    )
-                child_key = (child.key(), child_position)
+                    children.append(_child(config, world, position, move, scaling_over))
+                except _Violating as violating:
+                    if not survey:
+                        path = [*_path(parents, key), move]
+                        return ExploreResult(
+                            states=len(parents),
+                            depth=level + 1,
+                            violation=_replay(config, path),
+                            reduction=config.reduction,
+                        )
+                    # A survey goes on past it: the paths that avoid the move are
+                    # only kept by expanding the state in full.
+                    rules.add(violating.rule)
+                    back = True
+                else:
+                    # Rule 7: a move back to this level or an earlier one.
+                    child_key = children[-1][0]
+                    back = child_key in parents and child_key not in fresh
+                if back and not full:
+                    full = True
+                    todo += [other for other in moves if other not in chosen]
+            for child_key, node, move in children:
                 if child_key not in parents:
                     parents[child_key] = (key, move)
-                    next_frontier.append((child_key, (child, child_position)))
+                    fresh.add(child_key)
+                    next_frontier.append((child_key, node))
         if not next_frontier:
             break
         reached = level + 1
         frontier = next_frontier
-    return ExploreResult(states=len(parents), depth=reached, violation=None)
+    # Nothing is expanded at the bound: a search that reached it says nothing beyond.
+    complete = reached < depth
+    found = Survey(rules=frozenset(rules), ends=frozenset(ends)) if survey else None
+    return ExploreResult(
+        states=len(parents),
+        depth=reached,
+        violation=None,
+        complete=complete,
+        survey=found,
+        reduction=config.reduction,
+    )
+
+
+class _Violating(Exception):
+    def __init__(self, rule: str) -> None:
+        self.rule = rule
+
+
+def _calm(config: ExploreConfig, world: World, position: int) -> frozenset[int]:
+    if config.reduction == "none":
+        return frozenset()
+    routing = world.client.routing
+    targets = frozenset(spec.rank % routing for spec in config.requests[world.client.submitted :])
+    return calm_ranks(world, targets, position < len(config.script))
+
+
+def _child(
+    config: ExploreConfig,
+    world: World,
+    position: int,
+    move: tuple[object, ...],
+    scaling_over: bool,
+) -> tuple[object, Node, tuple[object, ...]]:
+    """The state ``move`` leads to, checked for the reduction's premises."""
+    child = world.clone()
+    try:
+        child_position = _apply(config, child, position, move)
+    except Violation as violation:
+        raise _Violating(violation.rule) from violation
+    if config.reduction == "por":
+        check_premises(world, move, child, scaling_over=scaling_over)
+    return (child.key(), child_position), (child, child_position), move
 
 
 def _path(

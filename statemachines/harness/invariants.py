@@ -1,6 +1,9 @@
 """The properties a simulated deployment must hold; ``Violation`` names the one broken.
 
-After every move: the coordinator's wave never goes backwards nor ahead of the ranks;
+After every move: the coordinator's wave never goes backwards nor ahead of the ranks,
+nor does a rank's wave go backwards (with the checks in ``world`` that the coordinator
+adopts only a wave a message carried and a rank announces only a wave it is in, these
+are the local halves of "never ahead of the ranks" that ``por`` relies on);
 the client sees the engines paused, or asleep, only while every rank is;
 no collective waits for a member that waits in another collective, or that is idle
 while nothing is in flight (deadlock; a vote waits only for the members that have not
@@ -45,10 +48,16 @@ def collective_members(world: WorldView, action: object) -> range:
     return range(action.dp_size) if isinstance(action, JoinGroup) else world.group
 
 
-def check_after_move(world: WorldView, coordinator_wave_before: int) -> None:
+def check_after_move(
+    world: WorldView, coordinator_wave_before: int, rank_waves_before: list[int] | None = None
+) -> None:
     wave = world.coordinator.wave
     if wave < coordinator_wave_before:
         raise Violation("coordinator_wave", f"went back from {coordinator_wave_before} to {wave}")
+    for r, before in enumerate((rank_waves_before or [])[: len(world.loops)]):
+        if world.loops[r].machine.wave < before:
+            now = world.loops[r].machine.wave
+            raise Violation("coordinator_wave", f"rank {r}'s wave went back from {before} to {now}")
     if world.client.paused:
         unpaused = [
             r for r in world.group if world.loops[r].machine.pause_state is not PauseState.PAUSED

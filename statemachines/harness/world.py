@@ -237,6 +237,7 @@ class World:
 
     def apply(self, move: Move) -> None:
         waves_before = self.coordinator.wave
+        rank_waves = [loop.machine.wave for loop in self.loops]
         if move[0] == "deliver":
             self._deliver(move[1], move[2])  # type: ignore[arg-type]
         elif move[0] == "step":
@@ -246,7 +247,7 @@ class World:
         else:
             raise ValueError(f"unknown move {move!r}")
         self._read_ready_votes()
-        check_after_move(self, waves_before)
+        check_after_move(self, waves_before, rank_waves)
 
     def quiescent(self) -> bool:
         return not self.network_moves()
@@ -291,13 +292,24 @@ class World:
             event = WaveCompleted(wave=message[1])  # type: ignore[arg-type]
         else:
             event = Resize(dp_size=message[1])  # type: ignore[arg-type]
-        for action in self._handle(self.coordinator, event, "coordinator"):
+        wave = self.coordinator.wave
+        actions = self._handle(self.coordinator, event, "coordinator")
+        # A local half of the coordinator-wave property (``por`` rule 7b): a new wave
+        # must come from the message.
+        if self.coordinator.wave > max(wave, _carried_wave(message)):
+            raise Violation(
+                "coordinator_wave",
+                f"the coordinator took {message} from wave {wave} to {self.coordinator.wave}",
+            )
+        for action in actions:
             if isinstance(action, BroadcastStartWave):
                 # To the ranks the coordinator knows that still exist: between a scale
                 # down's stop and the coordinator's resize the two differ.
                 for r in range(min(self.coordinator.dp_size, len(self.loops))):
                     message = ("start_dp_wave", action.wave, action.exclude_rank)
                     self.network.send(COORDINATOR, r, message)
+            elif isinstance(action, PublishState) and action.wave > self.coordinator.wave:
+                raise Violation("coordinator_wave", f"the coordinator published {action}")
             elif isinstance(action, PublishState) and (
                 self.views_matter or len(action.loads) != self.client.published_size
             ):
@@ -700,6 +712,17 @@ class World:
         self.group_size = keep
 
 
+def _carried_wave(message: Message) -> int:
+    """The newest wave a message to the coordinator vouches for: a completion's is the
+    wave after the one it ends; a resize vouches for none."""
+    kind = message[0]
+    if kind in ("first_req", "start_wave"):
+        return message[2]  # type: ignore[return-value]
+    if kind == "wave_complete":
+        return message[1] + 1  # type: ignore[operator]
+    return -1
+
+
 class _RankEffects:
     """The modelled effects of rank ``r`` (``rank_loop.RankEffects``)."""
 
@@ -743,6 +766,12 @@ class _RankEffects:
 
     def notify_coordinator(self, message: NotifyStartWave | NotifyWaveComplete) -> None:
         network = self.world.network
+        # A local half of the coordinator-wave property (``por`` rule 7b): a rank
+        # announces only a wave it is in, and completes only one it left.
+        own = self.world.loops[self.r].machine.wave
+        ahead = message.wave > own if isinstance(message, NotifyStartWave) else message.wave >= own
+        if ahead:
+            raise Violation("coordinator_wave", f"rank {self.r} in wave {own} sends {message}")
         if isinstance(message, NotifyStartWave):
             network.send(self.r, COORDINATOR, ("start_wave", self.r, message.wave))
             return

@@ -13,7 +13,13 @@ from guarded import explored
 from wavecore.statemachines.harness.explore import default_configs, explore
 from wavecore.statemachines.sim import main
 
-LARGE = ("request-and-pause", "sleep-keep-wake")
+LARGE = (
+    "request-and-pause",
+    "request-and-pause-abort",
+    "request-and-pause-wait",
+    "request-and-repause",
+    "sleep-keep-wake",
+)
 
 
 # The small configurations' requests take one step, so their waves end before the vote
@@ -29,6 +35,7 @@ def test_every_interleaving_of_the_small_configurations_holds(
         result = explore(config, 40)
         assert result.violation is None, result.violation.report() if result.violation else ""
         assert result.states > 50, f"{name} explored suspiciously little"
+        assert result.complete, f"{name} stopped at depth {result.depth}, not at its end"
 
 
 def test_a_request_with_a_pause_and_a_duplicate_resume_holds_to_depth_16() -> None:
@@ -41,12 +48,13 @@ def test_a_request_with_a_pause_and_a_duplicate_resume_holds_to_depth_16() -> No
 def test_command_line_reports_no_violation_and_exit_zero(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    others = [name for name, _ in default_configs(2) if name != "request-and-pause"]
+    others = [name for name, _ in default_configs(2) if not name.startswith("request-and-")]
     argv = ["--dp", "2", "--depth", "12"]
     assert main([*argv, *(arg for name in others for arg in ("--scenario", name))]) == 0
     out = capsys.readouterr().out
     assert "no violation" in out
-    assert "sleep-keep-wake: dp=2 sync_interval=1 depth=12 states explored" in out
+    assert "sleep-keep-wake: dp=2 sync_interval=1 reduction=por depth=12 states explored" in out
+    assert "stopped at the depth bound)" in out
 
 
 def test_command_line_explores_only_the_scenarios_named(
@@ -54,14 +62,15 @@ def test_command_line_explores_only_the_scenarios_named(
 ) -> None:
     assert main(["--dp", "3", "--depth", "40", "--scenario", "pause-resume"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("pause-resume: dp=3 sync_interval=1 depth=")
+    assert lines[0].startswith("pause-resume: dp=3 sync_interval=1 reduction=por depth=")
+    assert lines[0].endswith("every state)"), "pause-resume is explored to its end"
     assert len(lines) == 2
 
 
 def test_command_line_refuses_an_unknown_scenario(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        main(["--dp", "3", "--scenario", "request-and-pause"])
-    assert "unknown scenario request-and-pause at dp 3" in capsys.readouterr().err
+        main(["--dp", "3", "--scenario", "scale-down-1"])  # a scenario of dp 2 only
+    assert "unknown scenario scale-down-1 at dp 3" in capsys.readouterr().err
 
 
 def test_command_line_shows_the_trace_of_a_broken_rule(capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,3 +78,16 @@ def test_command_line_shows_the_trace_of_a_broken_rule(capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     assert "VIOLATION" in out
     assert "client submits request 0" in out
+
+
+def test_command_line_names_every_broken_variant_its_scenarios_miss(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Requests alone (no pause, no scale) miss the pause and scaling rules; make
+    # check-protocol runs every scenario, where each variant must be caught.
+    argv = ["--dp", "2", "--depth", "25", "--every-variant", "--scenario", "request"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "no_self_wake: caught by request at depth" in out
+    assert "early_pause_reply: NOT caught by any scenario at depth 25" in out
+    assert "broken variants escaped:" in out

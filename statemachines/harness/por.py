@@ -1,0 +1,227 @@
+"""Partial-order reduction: states where one rank's moves stand for every interleaving.
+
+Theory of operation (``ExploreConfig.reduction``: "por", the default, or "none"):
+
+1. At a state, the explorer may expand only the enabled moves of one rank r
+   (deliveries into r, r's step) instead of every enabled move, when they form a
+   *persistent set*: along every sequence of moves of the other parties (client,
+   coordinator, other ranks) in which r does not move, each of those moves commutes
+   with each of r's moves and disables none. Then every interleaving of the full graph
+   has a representative in the reduced one: the same moves, each party's in the same
+   order, with r's moves pulled ahead (and possibly more of them). Of the ranks that
+   qualify (rules 2 to 4), the one with the fewest enabled moves is taken.
+2. The client must not change what r's moves read or do before r moves (``calm_ranks``):
+
+   a. no scale is active or left in its script (a scale changes the group and routing);
+   b. while it awaits a call, r has not answered it: the client can do nothing until
+      every rank answered, and the last answer (which makes the client see the
+      engines paused) needs r's; the other answers only take their rank out of
+      ``awaiting``. Pulling r's answer ahead of other moves changes nothing checked,
+      for a rank that answered is paused and a forward of a paused rank is caught as
+      ``forward_after_pause`` whether the client saw the pause done or not;
+   c. while a KEEP or ABORT pause's deadline is not fixed, r has not received the
+      call. The last arrival fixes the deadline from every rank's (wave, forwards)
+      then, which only grow; r's forwards before its own arrival are never held to it,
+      and pulling r's moves (its arrival among them) ahead can only make the last
+      arrival come sooner, so the deadline earlier: every forward held to a deadline
+      on a path of the full graph is held to one no later on its representative, and
+      a slow pause is still caught (perhaps sooner, which ends that path);
+   d. with no call awaited and calls left, the client neither sees the engines paused
+      nor asleep (a resume or a wake would change what a forward is checked against);
+   e. what the client may still send to r before r moves (a request for r; any call,
+      unless it awaits r's answer) queues behind a message already in that channel.
+      Whatever else ranks write into the client (finished and held requests) are
+      unions of their own requests, which commute.
+3. The coordinator must not newly reach r: a START_DP_WAVE it might send queues
+   behind one already in flight to r, or it cannot broadcast before r moves: no
+   first_req, no fresh start_wave (one for a newer wave, or for its wave while it is
+   idle) is in flight to it, no request is left to submit, and no other rank may
+   announce a wave (``may_announce``: a request, a START_DP_WAVE, a resume or a wake
+   is in flight to it, or it waits in or has queued a resume barrier).
+4. What r's moves share with other ranks commutes: a vote's ballots are fixed once
+   every member started it, and the rank that reads it reads the same result in
+   whichever move completes it (the vote table is kept in one normal form); a barrier
+   completes with one result when its last member enters; r's state changes only by
+   its own moves or a collective it waits in (none: it has a move enabled); r sends
+   only to the coordinator on its own channel, where appending behind the head
+   commutes with delivering it. The group must be fixed: every rank in it, none in a
+   group join, nothing in flight from a departed rank.
+5. Premises, checked at every move of a search with the reduction on: the coordinator
+   broadcasts only while taking a first_req or a fresh start_wave, and leaves running
+   only for a newer wave (so a stale start_wave stays stale); a rank announces a wave
+   only when it ``may_announce``d before the move; with no scale left the group does
+   not change. A machine that breaks one (a broken variant may) raises
+   ``ReductionError`` and the explorer starts that search over without the reduction.
+6. Cycles (the ignoring problem): a state is expanded in full when one of r's moves
+   leads to a state first reached at the same or a lower level of the breadth-first
+   search. Every cycle of the reduced graph holds such an edge, so no move is put off
+   around a cycle for ever.
+7. Why no violation of the checked properties is hidden. By rule 1 the reduced graph
+   holds, for every path of the full one, a path of the same moves with each party's
+   in the same order, possibly followed by more moves of ranks, or one that meets a
+   violation sooner (rules 2b and 2c). So:
+
+   a. a check that reads one party's state (and client fields that rules 2 and 3 keep
+      fixed) sees the same sequence: forwards after a pause or its reply, slow pauses,
+      lockstep and drift, silent waits, collective order, call contracts, refused
+      calls and protocol errors, the paused and asleep views, and the local halves of
+      the coordinator-wave property (the coordinator adopts only a wave a message
+      carried and publishes its own, a rank announces only a wave it is in, a rank's
+      wave never goes back: ``world``, ``invariants``);
+   b. the coordinator ahead of every rank cannot happen without one of those local
+      halves failing first: its wave came from a message, the message's wave from its
+      sender (in the group, rule 4), whose wave only grows;
+   c. a rank waiting in a vote for a member that waits in a barrier (or the reverse)
+      waits for ever, so the states after it show it too;
+   d. a rank waiting for an idle member while nothing is in flight waits until the
+      client acts (no message can reach the idle member otherwise, rule 5), so the
+      state every other move leads to from there, where only the client could move,
+      shows it too; such states, like the terminal ones where the end-state checks
+      run, are all kept (unless a violation comes first), by a path of the same
+      length: were none of a path's moves in a state's persistent set, that set's
+      moves would still be enabled at the path's end.
+8. A depth bound weakens rule 7: the reduced path to a violation may be longer than the
+   shortest full one. A search that closes before the bound (``complete``) has checked
+   every reachable violation; one stopped at the bound has checked representatives of
+   the interleavings up to it (every violation the tests guard is still found at the
+   depths they use, and a survey of small configurations finds the same violations and
+   terminal states with and without the reduction: ``test_reduction``).
+"""
+
+from __future__ import annotations
+
+from ..rank import JoinGroup, PauseMode, ResumeBarrier, ResumeRequested, WakeUpRequested
+from ..rank_loop import Collective
+from .network import CLIENT, COORDINATOR
+from .world import Move, World
+
+REDUCTIONS = ("por", "none")
+
+
+class ReductionError(RuntimeError):
+    """A premise of the reduction (rule 3) failed, so its result would not be sound."""
+
+
+def calm_ranks(world: World, targets: frozenset[int], ops_left: bool) -> frozenset[int]:
+    """The ranks whose moves the client cannot interfere with until they move (rule 2).
+    ``targets``: the ranks the requests still to submit go to; ``ops_left``: the client
+    has calls left in its script (a scale's excluded)."""
+    client = world.client
+    if world.scaler.active:
+        return frozenset()
+    if client.awaited_call is None:
+        if ops_left and (client.paused or client.asleep):
+            return frozenset()  # rule 2d
+        ranks = frozenset(range(len(world.loops)))
+    elif client.pause_deadline is None and client.awaited_mode in (PauseMode.KEEP, PauseMode.ABORT):
+        ranks = client.awaiting - client.arrivals  # rule 2c
+    else:
+        ranks = client.awaiting
+    # Rule 2e.
+    waits = client.awaiting if client.awaited_call is not None else frozenset()
+    exposed = targets | (frozenset(range(len(world.loops))) - waits if ops_left else frozenset())
+    return frozenset(r for r in ranks if r not in exposed or (CLIENT, r) in world.network)
+
+
+def persistent_moves(
+    world: World, moves: list[Move], calm: frozenset[int], submits_left: bool
+) -> list[Move] | None:
+    """The enabled moves of one of the ``calm`` ranks that stand for all of ``moves``
+    (rules 1, 3 and 4), or None where no rank qualifies or its moves are all there is."""
+    if not _group_fixed(world):
+        return None
+    by_rank: dict[int, list[Move]] = {}
+    for move in moves:
+        rank = move[2] if move[0] == "deliver" else move[1] if move[0] == "step" else None
+        if isinstance(rank, int) and rank in calm:
+            by_rank.setdefault(rank, []).append(move)
+    announcers = {q for q in range(len(world.loops)) if may_announce(world, q)}
+    announced = submits_left or any(
+        message[0] == "first_req" or (message[0] == "start_wave" and not _stale(world, message))
+        for (_, receiver), queue in world.network.channels.items()
+        if receiver == COORDINATOR
+        for message in queue
+    )
+    eligible = [
+        rank_moves
+        for r, rank_moves in by_rank.items()
+        if (COORDINATOR, r) in world.network or not (announced or announcers - {r})
+    ]
+    if not eligible:
+        return None
+    chosen = min(eligible, key=len)
+    return chosen if len(chosen) < len(moves) else None
+
+
+def may_announce(world: World, q: int) -> bool:
+    """Whether rank ``q`` may send a start_wave before a broadcast reaches it (rule 3):
+    a request or a START_DP_WAVE for it is in flight, or a resume or a wake (their
+    barrier), or it waits in a resume barrier or has one queued."""
+    for (_, receiver), queue in world.network.channels.items():
+        if receiver == q and any(_wakes(message) for message in queue):
+            return True
+    _, loop = world.loops[q].snapshot()
+    barrier_pending = isinstance(loop.pending, Collective) and isinstance(
+        loop.pending.action, ResumeBarrier
+    )
+    return barrier_pending or any(isinstance(action, ResumeBarrier) for action in loop.queued)
+
+
+def _wakes(message: tuple[object, ...]) -> bool:
+    if message[0] in ("add", "start_dp_wave"):
+        return True
+    return message[0] == "call" and isinstance(message[2], ResumeRequested | WakeUpRequested)
+
+
+def _stale(world: World, message: tuple[object, ...]) -> bool:
+    """A start_wave the coordinator will never act on: for an older wave, or for its
+    wave while it runs (it leaves running only for a newer wave: rule 5 checks it)."""
+    wave = message[2]
+    coordinator = world.coordinator
+    return wave < coordinator.wave or (wave == coordinator.wave and coordinator.engines_running)  # type: ignore[operator]
+
+
+def _group_fixed(world: World) -> bool:
+    """The group is fixed (rule 4)."""
+    if len(world.loops) != world.group_size:
+        return False
+    if any(
+        isinstance(loop.pending, Collective) and isinstance(loop.pending.action, JoinGroup)
+        for loop in world.loops
+    ):
+        return False
+    return not any(
+        isinstance(sender, int) and sender >= len(world.loops) and receiver == COORDINATOR
+        for sender, receiver in world.network.channels
+    )
+
+
+def check_premises(before: World, move: Move, after: World, *, scaling_over: bool) -> None:
+    """The premises of rule 5, for ``move`` from ``before`` to ``after``;
+    ``scaling_over``: no scale is active or left in the client's script."""
+    if scaling_over and (
+        after.group_size != before.group_size or len(after.loops) != len(before.loops)
+    ):
+        raise ReductionError(f"{move} changed the group with no scale left")
+    channels = before.network.channels
+    if move[0] == "deliver" and move[2] == COORDINATOR:
+        message = channels[move[1], COORDINATOR][0]  # type: ignore[index]
+        old, new = before.coordinator, after.coordinator
+        if old.engines_running and not new.engines_running and new.wave <= old.wave:
+            raise ReductionError(f"the coordinator went idle in wave {new.wave} on {message}")
+        cause = message[0] == "first_req" or (
+            message[0] == "start_wave" and not _stale(before, message)
+        )
+        if not cause and any(
+            len(after.network.channels.get((COORDINATOR, r), ()))
+            > len(channels.get((COORDINATOR, r), ()))
+            for r in range(len(after.loops))
+        ):
+            raise ReductionError(f"the coordinator broadcast on {message}")
+        return
+    for q in range(len(after.loops)):
+        sent = after.network.channels.get((q, COORDINATOR), ())[
+            len(channels.get((q, COORDINATOR), ())) :
+        ]
+        if any(message[0] == "start_wave" for message in sent) and not may_announce(before, q):
+            raise ReductionError(f"rank {q} announced a wave in {move} without a cause")
