@@ -11,6 +11,7 @@ starts step N+1 before it awaits step N, and N+1 takes N's samples that way.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from collections.abc import Callable
@@ -30,7 +31,7 @@ class ModelJob(Generic[T]):
         self._fn = fn
         self._args = args
         self._done = anyio.Event()
-        self._token = anyio.lowlevel.current_token()
+        self._call_soon = _loop_call_soon()
         self._outcome: tuple[bool, Any] | None = None
 
     def __call__(self) -> None:  # on the model thread
@@ -40,8 +41,7 @@ class ModelJob(Generic[T]):
             self._outcome = (False, error)
         # Without waiting for the event loop (what `from_thread.run_sync` would do): the
         # thread goes on to the next job at once, even while the loop is busy.
-        token = self._token
-        token.backend_class.run_sync_soon(self._done.set, (), token.native_token)
+        self._call_soon(self._done.set)
 
     def result(self) -> T:
         """The result, or its error raised; only once the job ran (e.g. from a job
@@ -66,6 +66,20 @@ class ModelJob(Generic[T]):
         # back would never see its cancellation while it has work.
         await anyio.lowlevel.checkpoint_if_cancelled()
         return self.result()
+
+
+def _loop_call_soon() -> Callable[[Callable[[], object]], object]:
+    """The running event loop's thread-safe "call this soon", which returns at once.
+
+    anyio has no public one (`from_thread.run_sync` waits for the loop), so this takes
+    each backend's own: asyncio's `call_soon_threadsafe`, trio's `run_sync_soon`.
+    """
+    try:
+        return asyncio.get_running_loop().call_soon_threadsafe
+    except RuntimeError:  # no asyncio loop in this thread: anyio runs on trio
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
 
 
 class ModelThread:
