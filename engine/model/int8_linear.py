@@ -11,14 +11,18 @@ one thread, every projection of one decode step, LM head included): fbgemm 16 ms
 batch 1 and 244 ms at batch 64, against float32 oneDNN-packed 34 / 496 ms, float32
 BLAS 27 / 362 ms, oneDNN's int8 `qlinear_pointwise` 46 / 229 ms; torch's weight-only
 kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) and `_int_mm` have
-no vectorized float32 path in this build and ran 10-100x slower than float32.
+no vectorized float32 path (checked again in torch 2.13: `_weight_int8pack_mm` took
+1.0 ms for a 1536x576 product at batch 1 against float32's 0.08, 83 ms at batch 64
+against 2.8).
 
-fbgemm quantizes the activations with one 7-bit range per call (`reduce_range=True`:
-its kernel sums pairs of products in saturating 16-bit lanes; with 8 bits a random
-product was off by 15%). On its own that lost half of float32's top-1 predictions:
+fbgemm quantizes the activations per call with one range for the whole call. The
+range holds 8 bits on CPUs with AVX-512 VNNI, whose instruction accumulates u8 x s8
+products straight into int32; without it fbgemm sums pairs of products in saturating
+16-bit lanes and needs `reduce_range` (7 bits), which costs quality (measured on
+SmolLM2-135M: 91.9% top-1 agreement with float32 at 7 bits, 97.5% at 8; README).
 LLM activations have a few channels and tokens hundreds of times larger than the
-rest. Three exact rewrites of `x @ W.T` recover most of it (`engine/model/quality.py`
-measures what is left):
+rest; exact rewrites of `x @ W.T` keep the 8 bits for the rest
+(`engine/model/quality.py` measures what is left):
 - smoothing (after SmoothQuant): input channel j is divided by `s_j = (range_x_j /
   range_w_j) ** 0.3` and weight column j multiplied by it, moving part of the
   activations' outlier channels into the weights, where per-row scales absorb them;
@@ -26,10 +30,12 @@ measures what is left):
 - outlier channels: the `_OUTLIERS` channels of largest calibrated range are
   multiplied in float32 (LLM.int8()'s decomposition, with a fixed set of channels);
 - per-token scales: each row of `x` is divided by its largest magnitude before the
-  call and the output row multiplied back, so one range fits every token of a batch
-  (a prefill's first token is often hundreds of times larger than the others). A
-  token's result still depends a little on its batch mates (the range is the batch's
-  min and max, and they differ in sign balance), unlike float32's.
+  call and the output row multiplied back, so a prefill's first token (often hundreds
+  of times larger than the others) does not take the range of its batch mates;
+- pinned range: two extra input columns, +1 and -1 against zero weights, make every
+  call's range exactly [-1, 1]. fbgemm's range would otherwise be the batch's min and
+  max, so a token's int8 product would depend on its batch mates; pinned, it is the
+  same bits alone or in any batch (the int32 sums are exact).
 """
 
 from __future__ import annotations
@@ -41,9 +47,14 @@ import torch
 
 _QMAX = 127
 _ENGINE = "fbgemm"
+# 8-bit activations only where fbgemm's products cannot saturate (see above).
+ACTIVATION_BITS = 8 if torch.cpu._is_vnni_supported() else 7
+# The pinned range's columns (see above), appended to every call's input.
+_PINS = torch.tensor([1.0, -1.0])
 _OUTLIERS = 16
 # How much of the activations' range moves into the weights; of 0.2, 0.3, 0.5 and 0.7,
-# 0.3 kept most of float32's predictions on SmolLM2-135M (93.8% against 90.5% at 0.5).
+# 0.3 kept most of float32's predictions on SmolLM2-135M (8-bit activations: 97.5%,
+# against 96.7% at 0.15 and 95.0% at 0.5).
 _SMOOTHING = 0.3
 # Floors that keep a channel or row of zeros from dividing by zero.
 _TINY = 1e-12
@@ -91,7 +102,7 @@ def _prepack(values: torch.Tensor, scales: torch.Tensor) -> torch.ScriptObject:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Int8Projection:
-    params: torch.ScriptObject  # fbgemm's prepacked int8 weight (outlier columns zero)
+    params: torch.ScriptObject  # fbgemm's prepacked int8 weight (outlier and pin columns zero)
     input_range: torch.Tensor  # [in] calibrated max |x_j|, kept to requantize updates
     input_scale: torch.Tensor  # [in] 1 / s_j, the smoothing of the inputs
     outliers: torch.Tensor  # [k] int64, input channels multiplied in float32
@@ -121,7 +132,8 @@ class Int8Projection:
         outliers = torch.topk(x_range, min(_OUTLIERS, in_features)).indices.sort().values
         outlier_weight = smoothed[:, outliers].t().contiguous()
         smoothed[:, outliers] = 0
-        values, scales = quantize_rows(smoothed)
+        pinned = torch.cat([smoothed, torch.zeros(out_features, _PINS.numel())], dim=1)
+        values, scales = quantize_rows(pinned)
         return cls(
             params=_prepack(values, scales),
             input_range=x_range,
@@ -134,11 +146,15 @@ class Int8Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W`, a new float32 `[tokens, out]` tensor."""
-        smoothed = x * self.input_scale
+        pinned = torch.empty(x.shape[0], self.in_features + _PINS.numel())
+        smoothed = pinned[:, : self.in_features]
+        torch.mul(x, self.input_scale, out=smoothed)
         exact = smoothed.index_select(1, self.outliers)
         smoothed.index_fill_(1, self.outliers, 0.0)
         rows = smoothed.abs().amax(dim=1, keepdim=True).clamp_min_(_TINY)
-        out = torch.ops.quantized.linear_dynamic(smoothed.div_(rows), self.params, True)
+        smoothed.div_(rows)
+        pinned[:, self.in_features :] = _PINS
+        out = torch.ops.quantized.linear_dynamic(pinned, self.params, ACTIVATION_BITS == 7)
         return out.mul_(rows).addmm_(exact, self.outlier_weight)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -152,10 +168,10 @@ class Int8Projection:
 
     @property
     def num_bytes(self) -> int:
-        """What a product reads: an int8 weight matrix and its per-row float32 scales,
-        the outlier rows and the smoothing vector."""
+        """What a product reads: an int8 weight matrix (with its pin columns) and its
+        per-row float32 scales, the outlier rows and the smoothing vector."""
         return (
-            self.in_features * self.out_features
+            (self.in_features + _PINS.numel()) * self.out_features
             + 4 * self.out_features
             + self.outlier_weight.numel() * 4
             + self.input_scale.numel() * 4

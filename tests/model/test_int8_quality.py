@@ -3,7 +3,10 @@ perplexity on the fixed texts of `engine/model/quality.py`.
 
 Thresholds sit a little below what was measured (README, Benchmarks): these are
 quality properties of the quantization, deterministic on a given torch build, not
-timings. The issue's targets (97% agreement) are not met; see the README.
+timings. They depend on the activations' bits, which depend on the CPU
+(`int8_linear.ACTIVATION_BITS`): with AVX-512 VNNI (8 bits) the issue's targets are
+met (97.5% agreement, +0.82% perplexity), without it (7 bits) they are not (91.9%,
++2.13%).
 """
 
 from __future__ import annotations
@@ -16,14 +19,15 @@ import pytest
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.model import ModelExecutor, load_executor
+from wavecore.engine.model.int8_linear import ACTIVATION_BITS
 from wavecore.engine.model.quality import QualityReport, compare
 from wavecore.engine.sampling.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.model
 
 # Measured: see README (Benchmarks); thresholds a little below.
-MIN_AGREEMENT = 0.88
-MAX_PERPLEXITY_CHANGE = 0.02
+MIN_AGREEMENT = 0.95 if ACTIVATION_BITS == 8 else 0.88
+MAX_PERPLEXITY_CHANGE = 0.02 if ACTIVATION_BITS == 8 else 0.03
 
 
 @pytest.fixture(scope="module")
