@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench check-protocol soak clean
+.PHONY: test demo lint bench bench-llamacpp check-protocol soak clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,18 @@ bench: $(STAMP)
 	$(BIN)/python bench/serve.py
 	$(BIN)/python bench/weights.py
 	$(BIN)/python bench/int8_quality.py
+
+# Opt-in, never part of `make test` or `make bench`: llama.cpp as a peer on the same GGUF
+# in the same run (bench/llamacpp_peer.py). pip builds llama-cpp-python from source, about
+# 20 minutes on 2 cores (needs cmake and a C++ compiler). --no-deps, then its small
+# pure-Python dependencies by name (no-ops where present), so nothing can touch torch.
+bench-llamacpp: export GOMP_SPINCOUNT ?= 30000
+bench-llamacpp: $(STAMP)
+	$(BIN)/python -m pip install --no-deps llama-cpp-python==0.3.36
+	$(BIN)/python -m pip install -q 'diskcache>=5.6.1' 'numpy>=1.20' 'jinja2>=2.11.3' \
+		'typing-extensions>=4.5'
+	$(BIN)/python bench/model.py
+	$(BIN)/python bench/generate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

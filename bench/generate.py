@@ -6,6 +6,9 @@ prompts (token ids of mixed lengths), same number of output tokens, greedy:
 - transformers `generate` with left padding, C prompts per batch.
 For C in the concurrency sweep both run, each measurement in a fresh process; the
 headline compares wavecore at C=64 against transformers at its best batch size.
+Where llama-cpp-python is installed (`make bench-llamacpp`), llama.cpp runs the C=1
+row's requests one at a time on the same GGUF (`bench/llamacpp_peer.py`), in a fresh
+process too: one more line and the JSON's "llamacpp".
 Prints a table, writes bench/results/generate.json and plots throughput against
 concurrency as a PNG; both name the CPU and the projection kernels wavecore chose
 (`engine/model/kernel_choice.py`; `WAVECORE_KERNELS` forces them).
@@ -20,6 +23,7 @@ import argparse
 import concurrent.futures
 import json
 import multiprocessing
+import os
 import platform
 import random
 import time
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import llamacpp_peer  # bench/llamacpp_peer.py, beside this script
 from machine import describe  # bench/machine.py, beside this script
 
 from wavecore.engine.api import open_engine
@@ -150,18 +155,34 @@ class TransformersPeer:
 
 def measure(
     system: str, config: EngineConfig, prompts: list[list[int]], new_tokens: int, concurrency: int
-) -> dict[str, Any]:
-    """One row of the table, measured in the calling process."""
+) -> dict[str, Any] | None:
+    """One row of the table, measured in the calling process (None: llama.cpp is absent)."""
     if system == "wavecore":
         summary, kernels = anyio.run(run_wavecore, config, prompts, new_tokens, concurrency)
         return {**row(system, concurrency, summary), "kernels": kernels}
+    if system == "llama.cpp":
+        return measure_llamacpp(prompts, new_tokens)
     summary = TransformersPeer().run(prompts, new_tokens, concurrency)
     return row(system, concurrency, summary)
 
 
+def measure_llamacpp(prompts: list[list[int]], new_tokens: int) -> dict[str, Any] | None:
+    """llama.cpp, one request at a time, with as many threads as the engine uses."""
+    from wavecore.engine.model import default_model_path
+
+    threads = len(os.sched_getaffinity(0))  # as `ModelExecutor` sets torch's
+    n_ctx = max(map(len, prompts)) + new_tokens + 8
+    llama = llamacpp_peer.open_peer(default_model_path(), threads, n_ctx)
+    if llama is None:
+        return None
+    summary = llamacpp_peer.one_at_a_time(llama, prompts, new_tokens)
+    llama.close()
+    return {**row("llama.cpp", 1, summary), "version": llamacpp_peer.version()}
+
+
 def measure_alone(
     system: str, config: EngineConfig, prompts: list[list[int]], new_tokens: int, concurrency: int
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """`measure` in a fresh process, so neither system runs after the other in one heap.
 
     Sharing a process is not neutral: wavecore at C=64 ran 117 tokens/s alone and 98
@@ -170,6 +191,12 @@ def measure_alone(
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         return pool.submit(measure, system, config, prompts, new_tokens, concurrency).result()
+
+
+def requests_at(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """The requests run at `concurrency`: low concurrency runs a few only; the figure is
+    a rate."""
+    return prompts[: max(4, min(len(prompts), 2 * concurrency))]
 
 
 def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -270,17 +297,31 @@ def main() -> None:
 
     rows = []
     for concurrency in sweep:
-        # Low concurrency runs a few requests only; the figure is a rate.
-        subset = prompts[: max(4, min(count, 2 * concurrency))]
+        subset = requests_at(prompts, concurrency)
         for system in systems:
             rows.append(measure_alone(system, config, subset, new_tokens, concurrency))
         print_table(rows[-len(systems) :])
 
+    llamacpp = None
+    if args.executor == "model":
+        # The C=1 row's requests, so the two compare one to one.
+        llamacpp = measure_alone("llama.cpp", config, requests_at(prompts, 1), new_tokens, 1)
     summary = headline(rows)
     kernels = next((r["kernels"] for r in rows if "kernels" in r), {})
     print()
     print(f"{describe()['cpu']}; wavecore kernels: {kernels or 'n/a'}")
     print_table(rows)
+    if llamacpp is not None:
+        ours = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["system"] == "wavecore"}
+        llamacpp["wavecore_c1_vs_llamacpp"] = round(ours[1] / llamacpp["tokens_per_s"], 2)
+        llamacpp["wavecore_top_vs_llamacpp"] = round(ours[max(ours)] / llamacpp["tokens_per_s"], 2)
+        print_table([llamacpp])
+        print(
+            f"llama.cpp {llamacpp['version']}, one request at a time (GGUF weights as "
+            f"stored): wavecore ({args.weights}) at C=1 is "
+            f"{llamacpp['wavecore_c1_vs_llamacpp']:.2f}x, at C={max(ours)} "
+            f"{llamacpp['wavecore_top_vs_llamacpp']:.2f}x that"
+        )
     print(json.dumps(summary, indent=2))
 
     result = {
@@ -295,6 +336,7 @@ def main() -> None:
         },
         "rows": rows,
         "headline": summary,
+        "llamacpp": llamacpp,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")

@@ -4,7 +4,10 @@ For each decode batch size B, both sides prefill the same B prompts (token ids,
 `--context` tokens each; not timed), then run greedy decode steps of B tokens:
 - wavecore: `ModelExecutor.execute` (paged KV cache, sampler included);
 - transformers: the model's forward with its own KV cache (`past_key_values`);
-and at batch 1 also transformers `generate`. With `--weights float32 int8` (the
+and at batch 1 also transformers `generate` and, where llama-cpp-python is installed
+(`make bench-llamacpp`), llama.cpp's decode on the same GGUF, prompt and step count
+(`bench/llamacpp_peer.py`), in rounds alternating with wavecore's float32 (and int8)
+executors: one line and the JSON's "llamacpp". With `--weights float32 int8` (the
 default) wavecore runs again with `weights="int8"` (int8 projections and LM head,
 `engine/model/int8_linear.py`), same prompts, same run, as its own column.
 Two roofs are measured in the same run:
@@ -39,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import llamacpp_peer  # bench/llamacpp_peer.py, beside this script
 import torch
 from machine import cpu_name  # bench/machine.py, beside this script
 
@@ -97,6 +101,19 @@ def kernels_batch1(
         for name, executor in executors.items():
             rates[name].append(wavecore_decode(executor, [prompt], steps))
             executor.reset_kv_cache()
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
+def against_llamacpp(
+    llama: Any, executors: dict[str, ModelExecutor], prompt: list[int], steps: int, rounds: int
+) -> dict[str, float]:
+    """Batch-1 decode tokens/s of llama.cpp and of each executor, the median of `rounds`
+    alternating runs, so that load from other processes falls on all of them alike."""
+    rates: dict[str, list[float]] = {"llama.cpp": [], **{name: [] for name in executors}}
+    for _ in range(rounds):
+        rates["llama.cpp"].append(llamacpp_peer.decode_tok_s(llama, prompt, steps))
+        for name, rate in kernels_batch1(executors, prompt, steps, 1).items():
+            rates[name].append(rate)
     return {name: statistics.median(values) for name, values in rates.items()}
 
 
@@ -191,7 +208,9 @@ def main() -> None:
     )
     parser.add_argument("--context", type=int, default=None, help="prompt tokens per sequence")
     parser.add_argument("--kv-cache-mib", type=int, default=512)
-    parser.add_argument("--skip-peer", action="store_true", help="wavecore alone")
+    parser.add_argument(
+        "--skip-peer", action="store_true", help="wavecore alone (no transformers, no llama.cpp)"
+    )
     parser.add_argument(
         "--weights",
         nargs="+",
@@ -275,6 +294,28 @@ def main() -> None:
                     "weights_bytes": chosen.memory().weights,
                 }
             )
+    # llama.cpp (where installed) on the same GGUF, prompt and step count as batch 1.
+    llamacpp = None
+    llama = None
+    if not args.skip_peer:
+        llama = llamacpp_peer.open_peer(
+            executor.source.path, torch.get_num_threads(), context + steps + 8
+        )
+    if llama is not None:
+        ours = {"float32": executor, **({"int8": int8} if int8 is not None else {})}
+        prompt = make_prompts(1, context, config.vocab_size)[0]
+        rounds = 1 if args.quick else 3
+        rates = against_llamacpp(llama, ours, prompt, steps, rounds)
+        llama.close()
+        llamacpp = {
+            "version": llamacpp_peer.version(),
+            "rounds": rounds,
+            "batch1_tok_s": rates["llama.cpp"],
+            "wavecore_float32_batch1_tok_s": rates["float32"],
+            "wavecore_int8_batch1_tok_s": rates.get("int8"),
+            "float32_vs_llamacpp": rates["float32"] / rates["llama.cpp"],
+            "int8_vs_llamacpp": rates["int8"] / rates["llama.cpp"] if "int8" in rates else None,
+        }
     generate = None
     if peer is not None:
         generate = transformers_generate(
@@ -329,6 +370,16 @@ def main() -> None:
                 f"{k['kernels']:<16} {plan:<30} {k['batch1_tok_s']:>7.1f} "
                 f"{k['batch1_bandwidth_fraction']:>7.0%} {k['weights_bytes'] / 1e6:>11.0f}"
             )
+    if llamacpp is not None:
+        print(
+            f"llama.cpp {llamacpp['version']} batch 1 (GGUF weights as stored; median of "
+            f"{llamacpp['rounds']} rounds alternating with wavecore): "
+            f"{llamacpp['batch1_tok_s']:.1f} tok/s; wavecore float32 "
+            f"{llamacpp['wavecore_float32_batch1_tok_s']:.1f} "
+            f"({llamacpp['float32_vs_llamacpp']:.2f}x), int8 "
+            f"{show(llamacpp['wavecore_int8_batch1_tok_s'], '{:.1f}')} "
+            f"({show(llamacpp['int8_vs_llamacpp'], '{:.2f}x')})"
+        )
     int8_one = rows[0]["int8_tok_s"]
     if int8_one is not None and int8_bytes and int8_roof:
         print(
@@ -363,6 +414,7 @@ def main() -> None:
         "decode": rows,
         "transformers_generate_batch1_tok_s": generate,
         "wavecore_batch1_vs_generate": batch_one / generate if generate else None,
+        "llamacpp": llamacpp,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))

@@ -46,3 +46,5 @@ def test_quick_bench_writes_results(tiny_hf_dir: Path, tmp_path: Path) -> None:
         assert rows["forced blas"]["plan"]["decode"] == "blas"
         assert all(row["batch1_tok_s"] > 0 for row in rows.values())
     assert results["transformers_generate_batch1_tok_s"] > 0
+    # llama.cpp runs only where installed, and only on a GGUF: never on this model.
+    assert results["llamacpp"] is None and "llama.cpp: " in completed.stdout
