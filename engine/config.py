@@ -43,6 +43,11 @@ class EngineConfig:
     (the default) fails every request with `EngineDeadError`; "shrink" ends only the
     lost rank's requests (finish reason "error"; those with no output yet go to a
     survivor) and the survivors form a smaller group and keep serving.
+    `heartbeat_interval` and `heartbeat_timeout` (seconds): the front end and every rank
+    send each other a heartbeat each interval (`engine/dp/heartbeat.py`); a rank silent
+    for the timeout (stopped, hung, unreachable) is lost as if it had died, and a
+    headless rank (`wavecore rank`) whose front end is silent that long exits. The
+    timeout must be at least twice the interval; every rank must share both.
 
     `weights="int8"` quantizes the model's projections and LM head to int8 at load
     (CPU only; faster, a little less exact: see `engine/model/int8_linear.py`);
@@ -80,6 +85,8 @@ class EngineConfig:
     collective_timeout: float = 60.0
     max_dp_size: int | None = None
     on_rank_failure: RankFailurePolicy = "fail"
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         if self.executor not in ("model", "null"):
@@ -123,10 +130,20 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.transport must be 'ipc' or 'tcp', got {self.transport!r}"
             )
-        for name in ("startup_timeout", "collective_timeout"):
+        for name in ("startup_timeout", "collective_timeout", "heartbeat_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {value!r}")
+        timeout = self.heartbeat_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise ValueError(f"EngineConfig.heartbeat_timeout must be a number, got {timeout!r}")
+        if not timeout >= 2 * self.heartbeat_interval:
+            # A peer is silent for up to one interval between two beats: one late beat
+            # must not read as a death.
+            raise ValueError(
+                f"EngineConfig.heartbeat_timeout ({timeout!r} s) must be at least twice "
+                f"heartbeat_interval ({self.heartbeat_interval!r} s)"
+            )
         for name in (
             "block_size",
             "max_num_seqs",

@@ -133,6 +133,12 @@ class UtilityCall:
     wake_tags: tuple[str, ...] | None = None
 
 
+@_message(30614)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrontEndAlive:
+    """The front end's heartbeat (`engine/dp/heartbeat.py`), every heartbeat_interval."""
+
+
 UTILITY_METHODS = frozenset({"pause", "resume", "sleep", "wake_up", "reset_prefix_cache", "stats"})
 
 
@@ -200,6 +206,15 @@ class RankFailed:
     rank: int
     error: str
     in_collective: bool = False
+
+
+@_message(30627)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankAlive:
+    """A rank's heartbeat (`engine/dp/heartbeat.py`), every heartbeat_interval, sent by
+    its event loop whatever its model thread is doing."""
+
+    rank: int
 
 
 # -- coordinator traffic ----------------------------------------------------------------

@@ -46,7 +46,21 @@ Theory of operation:
    ``GroupLeft`` -> SWITCHING with ``SwitchGroup``, and on as a scale down from there
    (rule 5): the survivors build their new group through the same switch. Nothing can
    be rolled back (the lost ranks are gone), so an abort of it is ``ScaleAbandoned``.
-   Only IDLE takes a loss; one during a scale fails that scale (rule 8).
+   From IDLE the group is the whole engine (``old_dp_size`` ranks).
+10. Rank loss during a reconfiguration (a scale, or a shrink: a second loss): every
+    active phase takes ``RanksLost`` of its *members*, the ranks that hold the engine's
+    requests there (``members``: the old ranks until a scale up's switch succeeded or
+    a scale down's leaving ranks stopped, the new group from then on; a shrink's
+    renumbered survivors); the event's ``old_dp_size`` must equal it. What the
+    reconfiguration changed is undone first, valid whichever of the phase's actions
+    were performed when the loss cut in (its client drops them): a scale up before its
+    switch succeeded stops its new ranks (``StopRanks``: they never served), a scale
+    down before its leaving ranks stopped routes to every old rank again (``RouteTo``),
+    and after a scale up's switch the tables grow to the new group first
+    (``ResizeTables``: its new ranks are members). Then rule 9 from LEAVING:
+    ``DropRanks`` and ``LeaveGroup`` of the members, and on as a shrink to the largest
+    group still healthy; the scale itself failed. A loss of every member is refused
+    by the event (nothing could serve).
 """
 
 from __future__ import annotations
@@ -258,7 +272,20 @@ def _rows() -> dict[tuple[ScalePhase, type], Transition]:
     for phase in ACTIVE_PHASES:
         rows[phase, ScaleRequested] = row("on_second_request", phase)
         rows[phase, ScaleAborted] = row("on_aborted", _IDLE)
+        # Rule 10: a loss cuts into any reconfiguration.
+        rows[phase, RanksLost] = row("on_lost_during", _LEAVING)
     return rows
+
+
+def _members(state: ScalingSnapshot) -> int | None:
+    """Rule 10: the old group until a scale up's switch succeeded (its new ranks only
+    join) or a scale down's leaving ranks stopped (they still serve while they
+    drain); the new group after that, and a shrink's survivors throughout."""
+    if state.phase is _IDLE:
+        return None
+    old, new = state.old_dp_size or 0, state.dp_size or 0
+    before = (_STARTING, _PAUSING, _SWITCHING) if new > old else (_DRAINING, _PAUSING)
+    return old if state.phase in before else new
 
 
 class ScalingMachine(TableMachine[ScalingSnapshot]):
@@ -280,6 +307,12 @@ class ScalingMachine(TableMachine[ScalingSnapshot]):
     @property
     def target_dp_size(self) -> int | None:
         return self._state.dp_size
+
+    @property
+    def members(self) -> int | None:
+        """Rule 10: how many ranks (``0..members-1``) hold the engine's requests now;
+        None when idle (the client's own size)."""
+        return _members(self._state)
 
     # -- rules that broken variants in the tests override ------------------------------
 
@@ -312,6 +345,22 @@ class ScalingMachine(TableMachine[ScalingSnapshot]):
             DropRanks(ranks=lost, survivors=survivors),
             LeaveGroup(ranks=tuple(range(new))),
         )
+
+    def on_lost_during(self, state: ScalingSnapshot, event: RanksLost) -> Result:
+        """Rule 10: undo what the reconfiguration changed, then shrink (rule 9)."""
+        members = _members(state)
+        if event.old_dp_size != members:
+            raise self.refuse(state, event, f"the group has {members} members here")
+        old, new = state.old_dp_size or 0, state.dp_size or 0
+        undo: tuple[object, ...] = ()
+        if new > old and state.phase in (_STARTING, _PAUSING, _SWITCHING):
+            undo = (StopRanks(ranks=tuple(range(old, new))),)
+        elif new > old:
+            undo = (ResizeTables(dp_size=new),)
+        elif state.phase in (_DRAINING, _PAUSING):
+            undo = (RouteTo(dp_size=old),)
+        leaving, actions = self.on_lost(state, event)
+        return leaving, (*undo, *actions)
 
     def on_left(self, state: ScalingSnapshot, event: GroupLeft) -> Result:
         return replace(state, phase=_SWITCHING), (SwitchGroup(dp_size=state.dp_size or 0),)

@@ -45,6 +45,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             dp_mode=args.dp_mode,
             on_rank_failure=args.on_rank_failure,
             async_scheduling=args.async_scheduling,
+            heartbeat_interval=args.heartbeat_interval,
+            heartbeat_timeout=args.heartbeat_timeout,
             # Ranks started elsewhere connect over tcp; the transport is not hashed.
             transport="tcp" if getattr(args, "dp_master", None) else "ipc",
         )
@@ -237,14 +239,15 @@ def _open_engine(
 
 
 def cmd_rank(args: argparse.Namespace) -> int:
-    """Run one headless rank that joins the front end at `--master`; ends with it."""
+    """Run one headless rank that joins the front end at `--master`; ends with it (exit
+    code 3 when the front end went silent for --heartbeat-timeout)."""
     from wavecore.engine.core.engine_core import EngineCore
     from wavecore.engine.dp.rank_process import rank_main
 
     if not 0 <= args.dp_rank < args.dp:
         raise UsageError(f"--dp-rank {args.dp_rank} is outside --dp-size {args.dp}")
-    rank_main(f"tcp://{args.master}", args.dp_rank, _engine_config(args), EngineCore.from_config)
-    return 0
+    config = _engine_config(args)
+    return rank_main(f"tcp://{args.master}", args.dp_rank, config, EngineCore.from_config)
 
 
 def summary_table(summary: RunSummary, rank_counts: Sequence[int] = ()) -> Table:
@@ -339,6 +342,21 @@ def _add_rank_behaviour_flags(group: argparse._ActionsContainer) -> None:
         "--async-scheduling",
         action="store_true",
         help="schedule the next step while the model runs the current one",
+    )
+    group.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often the front end and each rank send each other a heartbeat",
+    )
+    group.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="a rank silent this long is lost; a headless rank whose front end is silent "
+        "this long exits (code 3)",
     )
 
 

@@ -17,10 +17,15 @@ Theory of operation:
    collective points at (`root_cause`: dead, else stopped) is lost, and the scaler
    shrinks the group around it (`Scaler.shrink`). Losses are taken one at a time by
    one task (`_serve_losses`); a survivor's report of a broken collective that a
-   shrink started since explains is dropped. The engine still dies where a shrink
-   cannot help: the coordinator's death, the last rank's, an unexplained broken
-   collective, a loss while paused, asleep, scaling or updating weights, or a
-   shrink that fails.
+   shrink started since explains is dropped. A loss while a scale or a shrink runs
+   goes to that reconfiguration, which goes on without the rank (`Scaler.take_loss`).
+   The engine still dies where a shrink cannot help: the coordinator's death, the
+   last rank's, an unexplained broken collective, a loss while paused, asleep or
+   updating weights, or a reconfiguration that leaves nothing to serve.
+5. Heartbeats (`heartbeat`): every message from a rank shows it alive; a rank silent
+   for `heartbeat_timeout` (stopped, hung, unreachable: no exit to see) is lost as a
+   dead one is, through rule 4 or the engine's death. No rank is judged while a scale
+   or a shrink renumbers them.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.dp.exit_status import describe_exit
+from wavecore.engine.dp.heartbeat import RankHeartbeats
 from wavecore.engine.dp.launcher import COORDINATOR, DPWiring, open_dp_processes, process_name
 from wavecore.engine.dp.process_state import is_stopped
 from wavecore.engine.dp.rank_process import BuildCore
@@ -49,6 +55,7 @@ from wavecore.engine.request import PromptTokenizer
 from wavecore.engine.weight_messages import RankReply
 
 _OUTPUTS = (m.StepOutputs, m.UtilityResult, m.RequestsHeld, m.RankFailed, RankReply)
+_SIGNS_OF_LIFE = (*_OUTPUTS, m.RankAlive)
 # Weight chunks stay well below the channels' 64 MiB frame limit, and the time one
 # chunk holds a channel stays short.
 _MAX_CHUNK_BYTES = 16 * 2**20
@@ -90,6 +97,7 @@ class DPClient:
         # `shrunk` is set (and replaced) as each shrink ends.
         self.shrink_seconds: list[float] = []
         self.shrunk = anyio.Event()
+        self.heartbeats = RankHeartbeats(config.heartbeat_interval, config.heartbeat_timeout)
 
     @property
     def dp_size(self) -> int:
@@ -136,6 +144,15 @@ class DPClient:
             return
         self._die(EngineDeadError(cause))
 
+    def rank_silent(self, rank: int, seconds: float) -> None:
+        """Rule 5: a rank that sent nothing for `seconds` is lost as a dead one."""
+        cause = f"rank {rank} sent no heartbeat for {seconds:.1f} s (stopped, hung, or unreachable)"
+        process = self.wiring.processes.get(process_name(rank))
+        if self.shrinks and process is not None:
+            self._lose(_Loss(cause=cause, process=process))
+            return
+        self._die(EngineDeadError(cause))
+
     def _lose(self, loss: _Loss) -> None:
         self._losses.append(loss)
         self._loss_arrived.set()
@@ -145,32 +162,53 @@ class DPClient:
             self._on_death(error)
 
     async def serve_losses(self) -> None:
-        """Rule 4: take the losses one at a time, for the engine's lifetime."""
-        while True:
-            while not self._losses:
-                await self._loss_arrived.wait()
-                self._loss_arrived = anyio.Event()
-            loss = self._losses.popleft()
-            found = await self._lost_process(loss)
-            if found is None:
-                continue
-            rank, cause = found
-            host = self._host
-            refused = "one rank left" if self.dp_size == 1 else None
-            refused = refused or (host.shrink_refused() if host is not None else "no front end")
-            if host is None or refused is not None:
-                self._die(EngineDeadError(f"{cause} (the group cannot shrink: {refused})"))
-                continue
-            self._shrinks += 1
-            seen = anyio.current_time()
-            try:
-                await self.scaler.shrink(host, (rank,), cause, resend=loss.resend)
-            except ScalingFailedError as error:
-                self._die(EngineDeadError(str(error)))
-                continue
-            self.shrink_seconds.append(anyio.current_time() - seen)
-            self.shrunk.set()
-            self.shrunk = anyio.Event()
+        """Rule 4: take the losses one at a time, for the engine's lifetime; a shrink
+        runs in a task of its own, so that a later loss can cut into it."""
+        async with anyio.create_task_group() as shrinks:
+            while True:
+                while not self._losses:
+                    await self._loss_arrived.wait()
+                    self._loss_arrived = anyio.Event()
+                loss = self._losses.popleft()
+                found = await self._lost_process(loss)
+                if found is None:
+                    continue
+                rank, cause = found
+                process = self.wiring.processes[process_name(rank)]
+                if self.scaler.active:
+                    self._shrinks += 1
+                    self.scaler.take_loss(process, cause, resend=loss.resend)
+                    continue
+                host = self._host
+                refused = "one rank left" if self.dp_size == 1 else None
+                refused = refused or (host.shrink_refused() if host is not None else "no front end")
+                if host is None or refused is not None:
+                    self._die(EngineDeadError(f"{cause} (the group cannot shrink: {refused})"))
+                    continue
+                self._shrinks += 1
+                await shrinks.start(self._shrink, host, process, cause, loss.resend)
+
+    async def _shrink(
+        self,
+        host: ScaleHost,
+        process: BaseProcess,
+        cause: str,
+        resend: bool,
+        *,
+        task_status: anyio.abc.TaskStatus[None],
+    ) -> None:
+        seen = anyio.current_time()
+        try:
+            with self.heartbeats.suspended():
+                await self.scaler.shrink(
+                    host, process, cause, resend=resend, task_status=task_status
+                )
+        except ScalingFailedError as error:
+            self._die(EngineDeadError(str(error)))
+            return
+        self.shrink_seconds.append(anyio.current_time() - seen)
+        self.shrunk.set()
+        self.shrunk = anyio.Event()
 
     async def _lost_process(self, loss: _Loss) -> tuple[int, str] | None:
         """The current number of the rank a loss names, and why it is lost; None when it
@@ -245,6 +283,10 @@ class DPClient:
         invalid = self.wiring.invalid_frames[0]
         try:
             async for message in self.wiring.outputs:
+                if isinstance(message, _SIGNS_OF_LIFE):
+                    self.heartbeats.heard(message.rank)
+                    if type(message) is m.RankAlive:
+                        continue
                 if self.shrinks and isinstance(message, m.RankFailed):
                     self._rank_failed(message)
                 elif isinstance(message, _OUTPUTS):
@@ -277,7 +319,13 @@ class DPClient:
             pass
 
     async def scale(self, host: ScaleHost, new_dp_size: int, drain_timeout: float | None) -> None:
-        await self.scaler.scale(host, new_dp_size, drain_timeout)
+        try:
+            with self.heartbeats.suspended():
+                await self.scaler.scale(host, new_dp_size, drain_timeout)
+        except ScalingFailedError as error:
+            if self.scaler.engine_lost:
+                self._die(EngineDeadError(str(error)))
+            raise
 
     def close(self) -> None:
         self._closed = True
@@ -327,6 +375,7 @@ async def open_dp_client(
         async with anyio.create_task_group() as tg:
             await tg.start(client.scaler.serve)
             tg.start_soon(client.serve_losses)
+            tg.start_soon(client.heartbeats.run, lambda: wiring.to_ranks, client.rank_silent)
             try:
                 yield client
             finally:

@@ -19,6 +19,9 @@ Theory of operation:
    (`RankRunner` rule 6): the client shrinks the group around the lost rank.
 5. A spawned rank ends soon after the process that started it, however that died
    (`parent_watch`); it creates nothing that outlives it, so it has nothing to remove.
+6. Heartbeats (`heartbeat`): every rank beats to the front end from its event loop; a
+   headless rank, which has no parent to watch, exits when its front end goes silent
+   (`rank_main` then returns `FRONT_END_LOST_EXIT`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import signal
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import asdict
+from multiprocessing import parent_process
 from typing import Any
 
 import anyio
@@ -45,7 +49,8 @@ from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.core.model_thread import ModelThread
-from wavecore.engine.core.rank_runner import DPGroupHandle, GroupJoiner, RankRunner, Shutdown
+from wavecore.engine.core.rank_runner import DPGroupHandle, GroupJoiner, RankRunner, Shutdown, Sink
+from wavecore.engine.dp.heartbeat import FRONT_END_LOST_EXIT, FrontEndWatch
 from wavecore.engine.dp.invalid_frames import InvalidFrameLog
 from wavecore.engine.dp.parent_watch import exit_with_parent
 from wavecore.statemachines import RankMachine
@@ -69,16 +74,26 @@ def describe_config(config: EngineConfig) -> dict[str, str]:
 
 def rank_main(
     handshake_address: str, rank: int, config: EngineConfig, build_core: BuildCore
-) -> None:
+) -> int:
     """The spawned process's entry point (also `wavecore rank`'s, which has no parent
-    process to watch)."""
+    process to watch); its exit code: 0, or `FRONT_END_LOST_EXIT`."""
     exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the client's to handle
-    anyio.run(_run_rank, handshake_address, rank, config, build_core)
+    watch = FrontEndWatch(
+        interval=config.heartbeat_interval,
+        timeout=config.heartbeat_timeout,
+        judges=parent_process() is None,  # headless: no parent watch ends it
+    )
+    anyio.run(_run_rank, handshake_address, rank, config, build_core, watch)
+    return FRONT_END_LOST_EXIT if watch.lost else 0
 
 
 async def _run_rank(
-    handshake_address: str, rank: int, config: EngineConfig, build_core: BuildCore
+    handshake_address: str,
+    rank: int,
+    config: EngineConfig,
+    build_core: BuildCore,
+    watch: FrontEndWatch,
 ) -> None:
     async with open_req(dial=handshake_address) as handshake:
         await handshake.send(m.RankHello(rank=rank, pid=os.getpid()))
@@ -162,7 +177,7 @@ async def _run_rank(
                     survive_lost_group=config.on_rank_failure == "shrink",
                 )
                 try:
-                    await _serve(runner, inputs, waves)
+                    await _serve(runner, inputs, waves, outputs, watch)
                 finally:
                     await model_thread.run(core.close)
 
@@ -199,22 +214,38 @@ def _group_joiner(assignment: m.RankAssignment) -> GroupJoiner:
     return join
 
 
-async def _serve(runner: RankRunner, inputs: MessageReceiver, waves: MessageReceiver) -> None:
+async def _serve(
+    runner: RankRunner,
+    inputs: MessageReceiver,
+    waves: MessageReceiver,
+    outputs: Sink,
+    watch: FrontEndWatch,
+) -> None:
     send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=1 << 16)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_pour, inputs, send.clone(), True)
+        tg.start_soon(_pour, inputs, send.clone(), True, watch.heard)
         tg.start_soon(_pour, waves, send.clone(), False)
+        tg.start_soon(watch.run, outputs, lambda: runner.rank, tg.cancel_scope)
         send.close()
         await runner.run(receive)
         tg.cancel_scope.cancel()
 
 
 async def _pour(
-    channel: MessageReceiver, inbox: MemoryObjectSendStream[Any], ends_rank: bool
+    channel: MessageReceiver,
+    inbox: MemoryObjectSendStream[Any],
+    ends_rank: bool,
+    heard: Callable[[], None] | None = None,
 ) -> None:
+    """Feed `channel` into the runner's inbox; `heard` is told of every message (the
+    front end's beats stop here)."""
     async with inbox:
         try:
             async for message in channel:
+                if heard is not None:
+                    heard()
+                    if type(message) is m.FrontEndAlive:
+                        continue
                 await inbox.send(message)
         except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
             pass

@@ -30,8 +30,16 @@ Theory of operation:
    `LeaveGroup` (one call per survivor, each with its new number) and the switch of a
    scale down. Nothing can be rolled back: a shrink that fails is the engine's death.
 6. New ranks are watched by the scale while it runs (`_watch_new_ranks`): a death ends
-   it at once, named. Only a finished scale hands them to the engine's watcher, whose
-   report of a death kills the engine.
+   it at once, named. Once a scale up's switch succeeded they are members of the
+   group and the engine's watcher takes them over (`_adopt_new_ranks`).
+7. Every call to ranks is bounded (`scale_calls`: `2 * collective_timeout`, which
+   says why) and names the ranks that did not answer. With `on_rank_failure="shrink"`
+   a member that dies, is named stuck by a peer, or does not answer is lost whatever
+   the phase, a shrink's included (`take_loss`, `scale_losses`): it cuts into the
+   actions in flight and the machine's rule 10 drops it, undoing what the
+   reconfiguration changed, so the engine goes on with every healthy member; a scale
+   so cut fails, naming the phase, the rank and the cause. With "fail" a rank that
+   does not answer ends the engine (`engine_lost`), as its death would.
 """
 
 from __future__ import annotations
@@ -59,8 +67,12 @@ from wavecore.engine.dp.launcher import (
     rank_assignment,
     reap,
 )
+from wavecore.engine.dp.process_state import is_stopped
 from wavecore.engine.dp.rank_process import describe_config, rank_main
+from wavecore.engine.dp.scale_calls import RanksUnanswered, call_each
+from wavecore.engine.dp.scale_losses import Loss, LossInbox
 from wavecore.engine.errors import (
+    EngineDeadError,
     EngineError,
     ScalingFailedError,
     ScalingInProgressError,
@@ -118,11 +130,19 @@ class Scaler:
         self._ends_expected = anyio.Event()
         # Lives as long as one scale: watches the ranks it starts (`_watch_new_ranks`).
         self._watches: anyio.abc.TaskGroup | None = None
+        self._watch_scope: anyio.CancelScope | None = None
         self._new_ranks: tuple[int, ...] = ()
-        # While a shrink runs: why its ranks are gone (for their requests' errors), and
-        # whether their requests without output go to a survivor.
-        self._loss: str | None = None
+        self._losses = LossInbox(wiring)
+        # The losses this reconfiguration took, each named with its cause ("rank 1 lost
+        # (...)"), the phase the first cut into, and the current ones' causes by rank
+        # (for their requests' errors) and whether their requests without output go to
+        # a survivor.
+        self._lost: list[str] = []
+        self._lost_phase: ScalePhase | None = None
+        self._causes: dict[int, str] = {}
         self._resend = True
+        # Set when a failure left nothing that can serve: the engine ends.
+        self.engine_lost = False
 
     @property
     def active(self) -> bool:
@@ -130,31 +150,86 @@ class Scaler:
 
     @property
     def shrinking(self) -> bool:
-        return self._machine.active and self._loss is not None
+        return self._machine.active and bool(self._lost)
+
+    def take_loss(self, process: BaseProcess, cause: str, *, resend: bool) -> None:
+        """Rule 7: a rank lost while a reconfiguration runs (`active`) cuts into it."""
+        self._losses.take(Loss(process=process, cause=cause, resend=resend))
 
     async def shrink(
-        self, host: ScaleHost, lost: tuple[int, ...], cause: str, *, resend: bool
+        self,
+        host: ScaleHost,
+        process: BaseProcess,
+        cause: str,
+        *,
+        resend: bool,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Rule 5: go on without the `lost` ranks (`cause` says why they are gone; with
-        `resend` their requests without output go to a survivor); raises
-        `ScalingFailedError` where the engine cannot go on."""
+        """Rule 5: go on without the rank of `process` (`cause` says why it is gone; with
+        `resend` its requests without output go to a survivor); `task_status` is told
+        once the machine took the loss (later losses cut into this shrink, rule 7).
+        Raises `ScalingFailedError` where the engine cannot go on."""
         old = host.dp_size
-        actions = self._machine.handle(RanksLost(old_dp_size=old, lost=lost))
-        self._loss, self._resend = cause, resend
         host.reconfiguring(True)
         try:
+            try:
+                self._losses.take(Loss(process=process, cause=cause, resend=resend))
+                actions = self._take_losses(host)
+            finally:
+                task_status.started()
             await self._run(host, actions, None)
         except Exception as error:
             where = _PHASES[self._machine.phase]
             if self._machine.active:
                 self._machine.handle(ScaleAborted(reason=str(error)))
+            self.engine_lost = True
             raise ScalingFailedError(
-                f"shrinking from {old} ranks around the lost ranks {list(lost)} failed "
-                f"{where} ({cause}): {type(error).__name__}: {error}"
+                f"shrinking from {old} ranks around the lost ranks failed {where} "
+                f"({'; '.join(self._lost) or cause}): {type(error).__name__}: {error}"
             ) from error
         finally:
-            self._loss = None
+            self._end_losses()
             host.reconfiguring(False)
+
+    def _take_losses(self, host: ScaleHost) -> tuple[object, ...]:
+        """Rules 9 and 10: the machine drops the members lost meanwhile (nothing when
+        none is). Raises `_NothingServes` when every member is gone."""
+        members = self._machine.members or host.dp_size
+        lost = self._losses.resolve(members)
+        if not lost:
+            return ()
+        named = [f"{process_name(rank)} lost ({lost[rank].cause})" for rank in sorted(lost)]
+        if len(lost) == members:
+            raise _NothingServes(f"every rank is lost: {'; '.join(named)}")
+        if self._lost_phase is None:
+            self._lost_phase = self._machine.phase
+        self._lost.extend(named)
+        self._causes = {rank: loss.cause for rank, loss in lost.items()}
+        self._resend = all(loss.resend for loss in lost.values())
+        return self._machine.handle(RanksLost(old_dp_size=members, lost=tuple(sorted(lost))))
+
+    def _take_silent(self, silent: RanksUnanswered) -> None:
+        """Rule 7: members that did not answer a call are lost (stopped ones say so)."""
+        for rank in silent.ranks:
+            process = self._wiring.processes.get(process_name(rank))
+            if process is None or process.pid is None:
+                continue  # a headless rank elsewhere: nothing here can drop it
+            stopped = " (it is stopped: SIGSTOP or a debugger)" if is_stopped(process.pid) else ""
+            loss = Loss(process=process, cause=silent.cause(rank) + stopped, resend=True)
+            self._losses.take(loss)
+
+    def _silent_member(self, silent: RanksUnanswered) -> bool:
+        """Whether a member is silent (a new rank's silence is the scale's failure)."""
+        members = self._machine.members or 0
+        return any(rank < members for rank in silent.ranks)
+
+    def _end_losses(self) -> str | None:
+        """What the reconfiguration lost, if anything, named with the phase it cut into."""
+        where = _PHASES[self._lost_phase] if self._lost_phase is not None else ""
+        report = f"{where}: {'; '.join(self._lost)}" if self._lost else None
+        self._lost, self._lost_phase, self._causes = [], None, {}
+        self._losses.forget_pending()
+        return report
 
     async def scale(self, host: ScaleHost, new_dp_size: int, drain_timeout: float | None) -> None:
         old = host.dp_size
@@ -164,6 +239,8 @@ class Scaler:
             actions = self._machine.handle(ScaleRequested(old_dp_size=old, dp_size=new_dp_size))
         except ReconfigurationActiveError as error:
             raise ScalingInProgressError(str(error)) from None
+        scale = f"scaling from {old} to {new_dp_size} ranks"
+        lost: str | None = None
         try:
             async with anyio.create_task_group() as watches:
                 self._watches = watches
@@ -171,10 +248,32 @@ class Scaler:
                 watches.cancel_scope.cancel()
         except BaseException as raised:
             error = _sole(raised)
-            if not self._machine.active:
-                raise
             where = _PHASES[self._machine.phase]
             reason = f"{type(error).__name__}: {error}"
+            dead_end = (
+                isinstance(error, _NothingServes)
+                or self.shrinking
+                or (isinstance(error, RanksUnanswered) and self._silent_member(error))
+            )
+            if dead_end and isinstance(error, Exception):
+                # Nothing to roll back to: a member is gone and the engine could not go
+                # on without it (or must not: on_rank_failure="fail").
+                if self._machine.active:
+                    self._machine.handle(ScaleAborted(reason=reason))
+                self.engine_lost = True
+                raise ScalingFailedError(
+                    f"{scale} failed {where}; the engine cannot go on: {reason}"
+                    + (f" (after {'; '.join(self._lost)})" if self._lost else "")
+                ) from error
+            if not self._machine.active:
+                raise
+            if isinstance(error, EngineDeadError):
+                # The engine ended meanwhile (with on_rank_failure="fail", a rank's
+                # death or a collective that names a stopped one): nothing to roll back.
+                self._machine.handle(ScaleAborted(reason=reason))
+                raise ScalingFailedError(
+                    f"{scale} failed {where}: the engine ended: {reason}"
+                ) from error
             rollback = self._machine.handle(ScaleAborted(reason=reason))
             with anyio.CancelScope(shield=True):
                 await self._roll_back(host, rollback)
@@ -192,9 +291,16 @@ class Scaler:
                 f"scaling from {old} to {new_dp_size} ranks failed {where}, after the switch "
                 f"started (not rolled back; the engine may be unusable): {reason}"
             ) from error
+        else:
+            lost = self._end_losses()
         finally:
             self._watches = None
             self._new_ranks = ()
+            self._end_losses()
+        if lost is not None:
+            raise ScalingFailedError(
+                f"{scale} failed {lost}; the engine goes on with {host.dp_size} ranks"
+            )
 
     async def _check_capacity(self, old: int, new_dp_size: int) -> None:
         """Refuse a size the machine cannot hold before anything starts (`capacity`)."""
@@ -210,18 +316,39 @@ class Scaler:
         self, host: ScaleHost, actions: tuple[object, ...], drain_timeout: float | None
     ) -> None:
         """Perform the actions; the one that waits for something yields the machine's
-        next event."""
-        while actions:
-            event = None
-            for action in actions:
-                event = await self._perform(host, action, drain_timeout) or event
-            actions = self._machine.handle(event) if event is not None else ()
+        next event. A member lost meanwhile cuts in (rule 7): the machine takes the
+        loss instead, in the phase the batch was performed for."""
+        while True:
+            event, cut = None, False
+            if actions:
+                with self._losses.cut_in() as batch:
+                    try:
+                        for action in actions:
+                            event = await self._perform(host, action, drain_timeout) or event
+                    except RanksUnanswered as silent:
+                        if self._config.on_rank_failure != "shrink":
+                            raise
+                        self._take_silent(silent)
+                        if not self._losses.pending:
+                            raise  # no member is silent: a new rank, the scale's failure
+                        event = None
+                cut = batch.cancel_called
+            lost = self._take_losses(host) if self._losses.pending else ()
+            if lost:
+                actions = lost
+            elif cut:
+                raise RuntimeError("a loss cut into a reconfiguration but names no member")
+            elif event is not None:
+                actions = self._machine.handle(event)
+            else:
+                return
 
     async def _perform(
         self, host: ScaleHost, action: object, drain_timeout: float | None
     ) -> object | None:
         wiring = self._wiring
         timeout = self._config.startup_timeout
+        bound = 2 * self._config.collective_timeout  # `scale_calls` says why
         if isinstance(action, StartRanks):
             await self._start_ranks(action.ranks, action.dp_size)
             return RanksReady()
@@ -230,29 +357,44 @@ class Scaler:
             return Drained()
         if isinstance(action, PauseRanks):
             keep = PauseMode.KEEP.value
-            await host.call_ranks(
+            await call_each(
+                host,
                 action.ranks,
-                lambda cid: m.UtilityCall(call_id=cid, method="pause", pause_mode=keep),
+                lambda rank, cid: m.UtilityCall(call_id=cid, method="pause", pause_mode=keep),
+                what="the pause",
+                seconds=bound,
             )
             return RanksPaused()
         if isinstance(action, DropRanks):
-            await self._drop_ranks(host, action)
+            # Whole, even when a loss cuts in: the wiring and the front end's tables
+            # must be renumbered together.
+            with anyio.CancelScope(shield=True):
+                await self._drop_ranks(host, action)
             return None
         if isinstance(action, LeaveGroup):
-            await self._leave_group(host, action.ranks)
+            # A survivor blocked in a collective answers once that collective fails.
+            await call_each(
+                host,
+                action.ranks,
+                lambda rank, cid: m.LeaveGroup(call_id=cid, rank=rank),
+                what="leaving the broken group",
+                seconds=bound,
+            )
             return GroupLeft()
         if isinstance(action, SwitchGroup):
             self._generation += 1
             prefix = self._prefix()
             size = action.dp_size
-            # The ranks give up on a group that does not form after the collective
-            # timeout and say why in their answers; wait longer, to hear them.
-            bound = 2 * self._config.collective_timeout
-            with _within(bound, f"the switch to the group of {size} ranks"):
-                await host.call_ranks(
-                    range(size),
-                    lambda cid: m.SwitchGroup(call_id=cid, dp_size=size, group_prefix=prefix),
-                )
+            # A rank gives up on a group that does not form after the collective
+            # timeout and says why in its answer.
+            await call_each(
+                host,
+                range(size),
+                lambda rank, cid: m.SwitchGroup(call_id=cid, dp_size=size, group_prefix=prefix),
+                what=f"the switch to the group of {size} ranks",
+                seconds=bound,
+            )
+            self._adopt_new_ranks()  # rule 6: members of the group from now on
             return SwitchDone()
         if isinstance(action, ResizeCoordinator):
             await wiring.to_coordinator.send(m.CoordinatorResize(dp_size=action.dp_size))
@@ -260,8 +402,12 @@ class Scaler:
                 await host.coordinator_size(action.dp_size)
             return CoordinatorResized()
         if isinstance(action, ResumeRanks):
-            await host.call_ranks(
-                action.ranks, lambda cid: m.UtilityCall(call_id=cid, method="resume")
+            await call_each(
+                host,
+                action.ranks,
+                lambda rank, cid: m.UtilityCall(call_id=cid, method="resume"),
+                what="the resume",
+                seconds=bound,
             )
             return Resumed()
         if isinstance(action, RouteTo):
@@ -278,7 +424,9 @@ class Scaler:
         return None
 
     def _adopt_new_ranks(self) -> None:
-        """From here on a new rank's death is the engine's, as for the first ranks."""
+        """From here on a new rank's death is the engine's, as for the first ranks (a
+        loss, with `on_rank_failure="shrink"`)."""
+        self._stop_watching_new_ranks()
         watcher = self._wiring.watcher
         if watcher is not None:
             for rank in self._new_ranks:
@@ -286,13 +434,20 @@ class Scaler:
                 watcher.watch(name, self._wiring.processes[name])
         self._new_ranks = ()
 
+    def _stop_watching_new_ranks(self) -> None:
+        if self._watch_scope is not None:
+            self._watch_scope.cancel()
+            self._watch_scope = None
+        self._losses.joining.clear()
+
     async def _roll_back(self, host: ScaleHost, actions: tuple[object, ...]) -> None:
         """Perform an aborted scale's rollback. An engine that died meanwhile has nothing
-        left to roll back, and the original error says why."""
+        left to roll back, and the original error says why; a rank that does not answer
+        its resume stays paused, and its peers' collectives name it."""
         for action in actions:
             if isinstance(action, ScaleRolledBack | ScaleAbandoned):
                 continue
-            with contextlib.suppress(EngineError):
+            with contextlib.suppress(EngineError, RanksUnanswered):
                 await self._perform(host, action, None)
 
     # -- the actions that need processes and channels ------------------------------------
@@ -325,9 +480,12 @@ class Scaler:
                 daemon=True,
             )
             wiring.processes[process_name(rank)] = process
+            self._losses.joining.add(process)
             process.start()
+        self._new_ranks = ranks
         if self._watches is not None:
-            self._watches.start_soon(self._watch_new_ranks, ranks)
+            self._watch_scope = anyio.CancelScope()
+            self._watches.start_soon(self._watch_new_ranks, ranks, self._watch_scope)
         expected = describe_config(config)
         ready: set[int] = set()
         with _within(config.startup_timeout, f"the startup of new ranks {list(ranks)}"):
@@ -351,7 +509,6 @@ class Scaler:
                     ready.add(answered.rank)
         wiring.to_ranks.extend(self._starting)
         self._starting = []
-        self._new_ranks = ranks
 
     async def _drain(
         self, host: ScaleHost, leaving: tuple[int, ...], drain_timeout: float | None
@@ -393,8 +550,10 @@ class Scaler:
                 process.kill()  # a stuck rank (SIGKILL ends a stopped one too)
             dead[f"{name} (retired, pid {process.pid})"] = process
         processes.update(dead)
-        names = ", ".join(map(process_name, action.ranks))
-        error = f"{names} lost ({self._loss}); the engine goes on with {len(kept)} ranks"
+        causes = "; ".join(
+            f"{process_name(rank)} lost ({self._causes.get(rank, 'gone')})" for rank in action.ranks
+        )
+        error = f"{causes}; the engine goes on with {len(kept)} ranks"
         await host.lose_ranks(action.ranks, action.survivors, error, resend=self._resend)
         with anyio.CancelScope(shield=True):
             for sender in lost_senders:
@@ -404,21 +563,11 @@ class Scaler:
                     closed.set()
             await reap(dead, grace=0.0)
 
-    async def _leave_group(self, host: ScaleHost, ranks: tuple[int, ...]) -> None:
-        """Every survivor leaves the broken group under its new number; one blocked in
-        a collective answers once that collective fails (at the latest after the
-        collective timeout)."""
-        bound = 2 * self._config.collective_timeout
-        with _within(bound, "leaving the broken group"):
-            async with anyio.create_task_group() as tg:
-                for rank in ranks:
-                    tg.start_soon(
-                        host.call_ranks,
-                        (rank,),
-                        lambda cid, rank=rank: m.LeaveGroup(call_id=cid, rank=rank),
-                    )
+    async def _watch_new_ranks(self, ranks: tuple[int, ...], scope: anyio.CancelScope) -> None:
+        with scope:
+            await self._wait_for_new_ranks(ranks)
 
-    async def _watch_new_ranks(self, ranks: tuple[int, ...]) -> None:
+    async def _wait_for_new_ranks(self, ranks: tuple[int, ...]) -> None:
         """A new rank that dies while the scale runs ends it at once (and the scale is
         rolled back), naming the rank, the phase and how it ended ("new rank 2 exited
         during startup: killed by SIGKILL"). The engine's watcher takes the new ranks
@@ -482,6 +631,9 @@ class Scaler:
         """Close these ranks' inputs (they leave their loops and exit); reap them. They
         are the highest ranks: a scale down removes from the top, a scale up adds there."""
         wiring = self._wiring
+        # A scale down has no new ranks; a scale up's stop them on purpose.
+        self._stop_watching_new_ranks()
+        self._new_ranks = ()
         senders = [*wiring.to_ranks[min(ranks) :], *self._starting]
         del wiring.to_ranks[min(ranks) :]
         self._starting = []
@@ -527,6 +679,10 @@ def _within(seconds: float, what: str) -> Iterator[None]:
             yield
     except TimeoutError:
         raise TimeoutError(f"{what} did not complete within {seconds} s") from None
+
+
+class _NothingServes(Exception):
+    """Every member of the group is lost: nothing is left to serve."""
 
 
 def _sole(error: BaseException) -> BaseException:

@@ -3,8 +3,12 @@ that fail on purpose (module-level so that spawned rank processes can unpickle t
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from typing import Any
+
+import anyio
 
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
@@ -84,3 +88,13 @@ def build_hanging_core(config: EngineConfig) -> EngineCore:
 
 def build_failing_core(config: EngineConfig) -> EngineCore:
     raise FileNotFoundError("no such model: /nowhere.gguf")
+
+
+async def stop_for(engine: Engine, rank: int, seconds: float) -> None:
+    """Stop the process of `rank` (SIGSTOP), keep it stopped `seconds`, continue it."""
+    pid = wiring_of(engine).processes[f"rank {rank}"].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    await anyio.to_thread.run_sync(os.waitpid, pid, os.WUNTRACED)  # stopped now
+    await anyio.sleep(seconds)  # how long it stays stopped: the scenario, not a guard
+    os.kill(pid, signal.SIGCONT)

@@ -15,7 +15,15 @@ from typing import Any
 import anyio
 import pytest
 import torch.distributed as dist
-from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens_of, wiring_of
+from dp_helpers import (
+    HANG_GUARD,
+    collect,
+    expected_tokens,
+    null_config,
+    stop_for,
+    tokens_of,
+    wiring_of,
+)
 
 from wavecore.engine.api import open_dp_engine
 from wavecore.engine.config import EngineConfig
@@ -100,7 +108,9 @@ def test_a_stopped_process_is_told_from_a_running_one() -> None:
 
 async def test_a_rank_stopped_past_the_collective_timeout_is_named() -> None:
     with anyio.fail_after(HANG_GUARD):
-        async with open_dp_engine(null_config(dp_size=2, collective_timeout=5.0)) as engine:
+        # The heartbeat would notice the stop too: here the collective must be first.
+        config = null_config(dp_size=2, collective_timeout=5.0, heartbeat_timeout=60.0)
+        async with open_dp_engine(config) as engine:
             stream = engine.generate("endless", SamplingParams(max_tokens=10**6), dp_rank=0)
             await stream.__anext__()
             pid = wiring_of(engine).processes["rank 1"].pid
@@ -122,12 +132,8 @@ async def test_a_rank_stopped_briefly_and_continued_catches_up() -> None:
         async with open_dp_engine(null_config(dp_size=2, collective_timeout=30.0)) as engine:
             stream = engine.generate("endless", SamplingParams(max_tokens=10**6), dp_rank=0)
             await stream.__anext__()
-            pid = wiring_of(engine).processes["rank 1"].pid
-            os.kill(pid, signal.SIGSTOP)
-            await anyio.to_thread.run_sync(os.waitpid, pid, os.WUNTRACED)  # stopped now
             # Rank 0 steps on into its next vote and waits there for rank 1.
-            await anyio.sleep(1.0)  # how long it stays stopped: the scenario, not a guard
-            os.kill(pid, signal.SIGCONT)
+            await stop_for(engine, 1, seconds=1.0)
             await stream.__anext__()  # rank 0 produces again
             await stream.aclose()
             for rank in (0, 1):

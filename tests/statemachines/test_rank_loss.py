@@ -187,12 +187,13 @@ def test_a_failed_shrink_cannot_be_rolled_back(phase: ScalePhase) -> None:
     assert isinstance(action, ScaleAbandoned) and machine.phase is ScalePhase.IDLE
 
 
-def test_a_loss_during_a_scale_is_refused_and_changes_nothing() -> None:
+def test_a_loss_of_a_rank_a_scale_is_still_starting_is_refused_and_changes_nothing() -> None:
+    """Rule 10: only members can be lost; a new rank's failure is the scale's (rule 8)."""
     machine = ScalingMachine()
     machine.handle(ScaleRequested(old_dp_size=2, dp_size=3))
     before = machine.snapshot()
-    with pytest.raises(ProtocolError, match="STARTING"):
-        machine.handle(RanksLost(old_dp_size=2, lost=(1,)))
+    with pytest.raises(ProtocolError, match="STARTING: the group has 2 members"):
+        machine.handle(RanksLost(old_dp_size=3, lost=(2,)))
     assert machine.snapshot() == before
 
 

@@ -177,6 +177,7 @@ SCALING_EVENTS = [
     Resumed(),
     ScaleAborted(reason="test"),
     RanksLost(old_dp_size=2, lost=(0,)),
+    RanksLost(old_dp_size=3, lost=(2,)),
     GroupLeft(),
 ]
 
