@@ -81,7 +81,11 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
     with ``ignore_start_wave`` (its requests stay frozen, none is lost), answers a
     pause call still waiting (``PauseComplete``: it is paused) and goes idle. That is
     the state a switch starts from (rule 11): the survivors form their new group
-    through a scale's switch. Taken again while so paused it changes nothing.
+    through a scale's switch. Taken again while so paused it changes nothing. That
+    switch ends the lost group's wave, which no vote ended (the coordinator may still
+    believe it runs, and its broadcasts may still be in flight): every survivor goes
+    on in the next wave with step 0, and the new rank 0 reports the old one complete,
+    as a pause's consensus does (rule 7).
 """
 
 from __future__ import annotations
@@ -364,6 +368,8 @@ class RankSnapshot:
     sleep_level: int | None = None
     # Votes started and not read yet (lockstep, rule 2): at most two.
     open_votes: int = 0
+    # Rule 13: it left a broken group; the switch that follows ends that group's wave.
+    left_group: bool = False
 
 
 _IDLE, _RUNNING, _SYNCING, _BARRIER, _SWITCHING = RankPhase
@@ -755,7 +761,13 @@ class RankMachine(TableMachine[RankSnapshot]):
             # member that was not paused joined, and running on would hang its peers.
             raise self.refuse(state, event, "a member of the new group was running")
         switched = replace(self.switched(state, event), phase=_IDLE, running=event.running)
-        return switched, (GroupSwitched(dp_size=event.dp_size),)
+        if not state.left_group:
+            return switched, (GroupSwitched(dp_size=event.dp_size),)
+        # Rule 13: the lost group's wave may still run for the coordinator and its
+        # broadcasts may still be in flight; the new group ends it, as a pause does.
+        ended = replace(switched, wave=switched.wave + 1, step_counter=0, left_group=False)
+        notify = (NotifyWaveComplete(wave=switched.wave),) if event.rank == 0 else ()
+        return ended, (*notify, GroupSwitched(dp_size=event.dp_size))
 
     def on_group_lost(self, state: RankSnapshot, event: GroupLost) -> Result:
         """Rule 13: paused KEEP out of the broken group (an ABORT pause already dropped
@@ -770,6 +782,7 @@ class RankMachine(TableMachine[RankSnapshot]):
             ignore_start_wave=True,
             sleep_level=None,
             open_votes=0,
+            left_group=True,
         )
         return paused, (PauseScheduler(mode=PauseMode.KEEP), PauseComplete(), Idle())
 

@@ -136,7 +136,11 @@ class Simulation:
     def step(self) -> bool:
         """One randomly chosen move (the scale's moves among them); False when nothing
         can move."""
-        moves = [*self.world.network_moves(), *self.world.scale_moves()]
+        moves = [
+            *self.world.network_moves(),
+            *self.world.scale_moves(),
+            *self.world.death_moves(),
+        ]
         if not moves:
             return False
         move = self._random.choice(moves)

@@ -36,6 +36,8 @@ class ClientState:
     submitted: int = 0
     owners: tuple[int, ...] = ()
     done: frozenset[int] = frozenset()
+    # The ended requests that ended with an error (their rank died), a subset of done.
+    failed: frozenset[int] = frozenset()
     held: frozenset[int] = frozenset()
     calls: int = 0
     awaited_call: int | None = None
@@ -70,6 +72,8 @@ def refusal(client: ClientState, op: tuple[object, ...], scaling: bool) -> str |
         return "asleep: wake up first"
     if kind == "scale" and (client.paused or client.asleep):
         return "the engines are paused or asleep"
+    if kind == "scale" and op[1] == client.group:
+        return f"already {client.group} ranks (a shrink got there first)"
     if kind not in ("pause", "resume", "sleep", "wake", "scale"):
         raise ValueError(f"unknown client operation {op!r}")
     return None

@@ -159,6 +159,22 @@ def _configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
         (f"scale-up-{dp_size + 1}-request", grow),
         (f"scale-down-{dp_size - 1}-request", shrink),
         ("sleep-keep-wake", sleep_keep),
+        *death_configs(dp_size),
+    )
+
+
+def death_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
+    """A rank dies at any moment (``world`` rule 5): the shrink around it (scaling rule
+    9) with a request in flight, which ends with an error on the dead rank and finishes
+    on a survivor; and a scale up and back down, into any phase of which the death cuts
+    (scaling rule 10; at dp 2 the death may leave one rank, and the next scale goes up).
+    Both are explored to their end, at dp 3 in about two minutes and fifteen seconds."""
+    world = WorldConfig(dp_size=dp_size, duplicate_wave_complete=False, deaths=1)
+    request = ExploreConfig(world=world, requests=(RequestSpec(rank=dp_size - 1, steps=2),))
+    scales = ExploreConfig(world=world, script=(("scale", dp_size + 1), ("scale", dp_size)))
+    return (
+        ("request-and-death", request),
+        (f"scale-up-{dp_size + 1}-down-{dp_size}-death", scales),
     )
 
 
@@ -216,7 +232,7 @@ def _client_moves(config: ExploreConfig, world: World, position: int) -> list[tu
         moves.append(("submit",))
     if position < len(config.script) and world.refusal(config.script[position]) is None:
         moves.append(("op",))
-    return moves + world.scale_moves()
+    return moves + world.scale_moves() + world.death_moves()
 
 
 def _apply(config: ExploreConfig, world: World, position: int, move: tuple[object, ...]) -> int:
@@ -301,8 +317,11 @@ def _search(config: ExploreConfig, depth: int, survey: bool) -> ExploreResult:
                 ends.add(key)
             if level == depth:
                 continue
-            scaling_over = not world.scaler.active and all(
-                op[0] != "scale" for op in config.script[position:]
+            # A death changes the group as a scale does: no reduction while one may come.
+            scaling_over = (
+                not world.scaler.active
+                and not world.deaths_left
+                and all(op[0] != "scale" for op in config.script[position:])
             )
             calm = _calm(config, world, position) if scaling_over else frozenset()
             submits_left = world.client.submitted < len(config.requests)

@@ -49,3 +49,13 @@ class Network:
     def take(self, sender: Party, receiver: Party) -> tuple[Message, ...]:
         """Remove and return everything in flight on one channel."""
         return self.channels.pop((sender, receiver), ())
+
+    def renumbered(self, new: dict[int, int]) -> Network:
+        """The channels after a shrink: rank ``old`` is now rank ``new[old]``; a rank
+        missing from ``new`` has none left (its channels went with it)."""
+        channels: dict[Pair, tuple[Message, ...]] = {}
+        for (sender, receiver), messages in self.channels.items():
+            ends = [new.get(end) if isinstance(end, int) else end for end in (sender, receiver)]
+            if None not in ends:
+                channels[ends[0], ends[1]] = messages  # type: ignore[index]
+        return Network(channels)

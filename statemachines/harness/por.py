@@ -199,6 +199,10 @@ def _group_fixed(world: World) -> bool:
 def check_premises(before: World, move: Move, after: World, *, scaling_over: bool) -> None:
     """The premises of rule 5, for ``move`` from ``before`` to ``after``;
     ``scaling_over``: no scale is active or left in the client's script."""
+    if move[0] == "die":
+        # It sends nothing, and renumbers the ranks' channels; a death may come only
+        # while the reduction is off (the explorer's ``scaling_over``).
+        return
     if scaling_over and (
         after.group_size != before.group_size or len(after.loops) != len(before.loops)
     ):

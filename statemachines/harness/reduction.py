@@ -34,6 +34,10 @@ def world_key(world: WorldView) -> tuple[object, ...]:
         world.group_size,
         world.network.key(),
         world.scaler.snapshot(),
+        world.deaths_left,
+        world.broken_calls,
+        world.dead,
+        world.shrinking,
     )
 
 

@@ -28,7 +28,14 @@ from ..rank import (
     StartWave,
     StepDone,
 )
-from ..scaling import RanksPaused, ScalePhase, ScalingMachine, ScalingSnapshot, StopRanks
+from ..scaling import (
+    RanksLost,
+    RanksPaused,
+    ScalePhase,
+    ScalingMachine,
+    ScalingSnapshot,
+    StopRanks,
+)
 
 
 class AcceptsStaleCompletion(CoordinatorMachine):
@@ -197,6 +204,26 @@ class KeepsLeavingRanks(ScalingMachine):
         return replace(state, phase=ScalePhase.SWITCHING), kept
 
 
+class ShrinksWithoutUndo(ScalingMachine):
+    """Scaling rule 10: a loss during a scale shrinks at once, without undoing what the
+    scale changed (a scale up's new ranks keep running outside the group)."""
+
+    def on_lost_during(
+        self, state: ScalingSnapshot, event: RanksLost
+    ) -> tuple[ScalingSnapshot, tuple[object, ...]]:
+        return self.on_lost(state, event)
+
+
+class KeepsLostGroupWave(RankMachine):
+    """Rank rule 13: the switch after a loss keeps the lost group's wave, which the
+    coordinator may still believe runs and whose broadcasts may still arrive."""
+
+    def on_reconfigured(
+        self, state: RankSnapshot, event: Reconfigured
+    ) -> tuple[RankSnapshot, tuple[object, ...]]:
+        return super().on_reconfigured(replace(state, left_group=False), event)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Variant:
     """One broken rule; ``failure_mode`` numbers it in protocol.md (None: a rule of
@@ -231,4 +258,6 @@ VARIANTS: dict[str, Variant] = {
     "scale_pauses_staying_only": Variant(failure_mode=None, scaling_class=PausesOnlyStayingRanks),
     "paused_rank_ignores_sleep": Variant(failure_mode=None, rank_class=PausedRankIgnoresSleep),
     "scale_keeps_leaving_ranks": Variant(failure_mode=None, scaling_class=KeepsLeavingRanks),
+    "shrink_without_undo": Variant(failure_mode=None, scaling_class=ShrinksWithoutUndo),
+    "shrink_keeps_lost_wave": Variant(failure_mode=None, rank_class=KeepsLostGroupWave),
 }

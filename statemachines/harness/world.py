@@ -25,7 +25,21 @@ Theory of operation:
    the coordinator's publication of the new size). When it finishes, each party must
    have done its own part: the leaving ranks shut down, every other rank in the new
    group (``scale_roles``).
-5. The world is a value: ``clone()`` is cheap (machines and loops keep their state in
+5. A rank may die (``WorldConfig.deaths``: how many may, none unless a scenario asks)
+   where the engine would shrink around it: while a reconfiguration runs (a member:
+   scaling rule 10), or while the engines serve, neither paused nor asleep nor in a
+   call (rule 9; elsewhere the engine itself ends). The death is taken as the engine
+   takes a process exit: its messages in flight are lost, the DP group is broken
+   (``broken_calls``), and the client feeds ``RanksLost`` to its ``ScalingMachine`` at
+   once, abandoning the call the loss cut into, and performs the script like a
+   scale's. A survivor's collective of the broken group fails (``RankLoop.group_lost``,
+   rank rule 13) when it waits in it; a join a switch of the broken group asked for
+   fails and keeps the rank where it was. ``DropRanks`` ends the lost ranks' requests
+   with an error (``ClientState.failed``) and renumbers the survivors everywhere.
+   The scale's batch of actions is performed whole before a death can cut in (the
+   engine may be cut mid-batch; rule 10 says its undo holds either way), and a lost
+   rank's requests are not resent to a survivor (the engine's ``resend``).
+6. The world is a value: ``clone()`` is cheap (machines and loops keep their state in
    frozen snapshots) and ``key()`` (``reduction``) hashes everything that decides the
    future. ``invariants`` lists the properties checked.
 """
@@ -48,6 +62,7 @@ from ..errors import ProtocolError
 from ..rank import (
     AwaitVote,
     DrainVote,
+    GroupLost,
     JoinGroup,
     NotifyStartWave,
     NotifyWaveComplete,
@@ -83,7 +98,11 @@ from ..scaling import (
     CoordinatorResized,
     Drained,
     DrainRanks,
+    DropRanks,
+    GroupLeft,
+    LeaveGroup,
     PauseRanks,
+    RanksLost,
     RanksPaused,
     RanksReady,
     ReconfigureFinished,
@@ -133,6 +152,8 @@ class WorldConfig:
     rank_class: type[RankMachine] = RankMachine
     coordinator_class: type[CoordinatorMachine] = CoordinatorMachine
     scaling_class: type[ScalingMachine] = ScalingMachine
+    # How many ranks may die in one run (rule 5); 0 keeps every other scenario as it was.
+    deaths: int = 0
 
 
 @dataclass(slots=True)
@@ -147,6 +168,15 @@ class World:
     network: Network = field(default_factory=Network)
     trace: list[str] | None = None
     views_matter: bool = True
+    deaths_left: int = 0
+    # Rule 5: the group is broken, and the calls numbered below this one were made to
+    # it (a switch among them cannot form its group); None while the group is whole.
+    broken_calls: int | None = None
+    # The ranks (current numbers) dead and not yet dropped by the scaler.
+    dead: frozenset[int] = frozenset()
+    # A shrink runs: its survivors paused out of a wave without ending it, so the
+    # coordinator may believe it runs until they resume in the new group.
+    shrinking: bool = False
 
     @classmethod
     def start(cls, config: WorldConfig) -> World:
@@ -159,6 +189,7 @@ class World:
             client=ClientState(group=n, routing=n, published_size=n),
             scaler=config.scaling_class(),
             group_size=n,
+            deaths_left=config.deaths,
         )
         for r in range(n):
             world._add_rank(r, n, joining=False)
@@ -189,6 +220,10 @@ class World:
             group_size=self.group_size,
             network=self.network.copy(),
             views_matter=self.views_matter,
+            deaths_left=self.deaths_left,
+            broken_calls=self.broken_calls,
+            dead=self.dead,
+            shrinking=self.shrinking,
         )
 
     def key(self) -> tuple[object, ...]:
@@ -199,11 +234,11 @@ class World:
         anything, so it is dropped (fewer distinct states, same futures)."""
         self.views_matter = False
         # A publication of a new group size still matters: it lets a scale go on.
-        resizes = tuple(
-            m for m in self.network.take(COORDINATOR, CLIENT) if m[3] != self.client.published_size
-        )
-        for message in resizes:
-            self.network.send(COORDINATOR, CLIENT, message)
+        size = self.client.published_size
+        for message in self.network.take(COORDINATOR, CLIENT):
+            if message[3] != size:
+                self.network.send(COORDINATOR, CLIENT, message)
+                size = message[3]  # type: ignore[assignment]
         self.client = replace(self.client, wave=0, running=False)
 
     @property
@@ -244,6 +279,9 @@ class World:
             self._step(move[1])  # type: ignore[arg-type]
         elif move[0] in ("scale_next", "drain_timeout"):
             self._scale_move(move[0])  # type: ignore[arg-type]
+        elif move[0] == "die":
+            self._die(move[1])  # type: ignore[arg-type]
+            rank_waves = []  # the survivors were renumbered: their waves stay as they were
         else:
             raise ValueError(f"unknown move {move!r}")
         self._read_ready_votes()
@@ -311,10 +349,19 @@ class World:
             elif isinstance(action, PublishState) and action.wave > self.coordinator.wave:
                 raise Violation("coordinator_wave", f"the coordinator published {action}")
             elif isinstance(action, PublishState) and (
-                self.views_matter or len(action.loads) != self.client.published_size
+                self.views_matter
+                or len(action.loads) != self.client.published_size
+                or len(action.loads) != self._size_seen()
             ):
                 publication = ("publish", action.wave, action.engines_running, len(action.loads))
                 self.network.send(COORDINATOR, CLIENT, publication)
+
+    def _size_seen(self) -> int:
+        """The group size the client holds once what is in flight to it arrived: a
+        publication of another size must reach it too (after a shrink cut into a
+        scale's resize, the client awaits its old size again)."""
+        in_flight = self.network.channels.get((COORDINATOR, CLIENT), ())
+        return in_flight[-1][3] if in_flight else self.client.published_size  # type: ignore[return-value]
 
     # -- ranks ----------------------------------------------------------------------------
 
@@ -338,6 +385,8 @@ class World:
                 self._arrived(r)
         self._note(lambda: f"    rank {r} <- {item}")
         self.loops[r].deliver(item, _RankEffects(self, r))
+        if isinstance(item, Call) and isinstance(item.request, GroupLost):
+            self._forget_votes(r)  # rank rule 13: its open votes went with the group
         if kind == "add" and held_before and message[1] not in self.client.held:
             raise Violation(
                 "silent_wait", f"request {message[1]} reached paused/sleeping rank {r} unannounced"
@@ -351,7 +400,7 @@ class World:
         if executed:
             self._forward(r)
         self.toys[r] = replace(self.toys[r], requests=requests)
-        self.client = replace(self.client, done=self.client.done | finished)
+        self.end_requests(finished)
         done = StepDone(executed=executed, has_unfinished=bool(requests))
         self._complete(r, done)
 
@@ -377,6 +426,8 @@ class World:
             self._complete(r, None)
         elif isinstance(pending, Wake):
             self._complete(r, None)
+        elif isinstance(pending, Collective) and self._broken(r, pending):
+            self._fail_collective(r, pending)
         elif isinstance(pending, Collective):
             if isinstance(pending.action, AwaitVote | DrainVote):
                 self._read_vote(r)
@@ -458,6 +509,8 @@ class World:
         """Rank ``r`` reads its oldest unread vote if every member started it."""
         index = self.toys[r].votes_read
         members = self.group
+        if self.broken_calls is not None:
+            return False  # rule 5: the broken group's votes fail (``_settle``)
         if any(len(self.toys[q].votes) <= index for q in members):
             return False
         ballots = [self.toys[q].votes[index] for q in members]
@@ -510,6 +563,7 @@ class World:
 
     def _join_results(self, members: range, actions: list[JoinGroup]) -> list[object]:
         self.group_size = len(members)
+        self.broken_calls = None  # rule 5: the new group is whole
         merged = Reconfigured(
             rank=0,
             dp_size=len(members),
@@ -519,7 +573,57 @@ class World:
         )
         return [replace(merged, rank=r) for r in members]
 
+    # -- a broken group (rule 5) ----------------------------------------------------------
+
+    def _broken(self, r: int, pending: Collective) -> bool:
+        """Whether rank ``r``'s collective belongs to the broken group: any vote or
+        barrier while it is broken, a join only when a switch of the broken group asked
+        for it (the shrink's own switch forms the survivors' group)."""
+        if self.broken_calls is None:
+            return False
+        if not isinstance(pending.action, JoinGroup):
+            return True
+        calls = self.loops[r].snapshot()[1].switch_calls
+        return any(call_id < self.broken_calls for call_id in calls)
+
+    def _fail_collective(self, r: int, pending: Collective) -> None:
+        """The collective fails as gloo's does when a member died. A join that fails
+        keeps the rank in its old group with its own counters (rank rule 11); any other
+        is given up (rank rule 13), and the votes still open go with the group."""
+        self._note(f"rank {r}'s {type(pending.action).__name__} fails: the group is broken")
+        if isinstance(pending.action, JoinGroup):
+            machine, action = self.loops[r].machine, pending.action
+            kept = Reconfigured(
+                rank=r,
+                dp_size=machine.dp_size,
+                wave=action.wave,
+                running=action.running,
+                step_counter=action.step_counter,
+            )
+            self._complete(r, kept)
+            return
+        self._forget_votes(r)
+        try:
+            self.loops[r].group_lost(_RankEffects(self, r))
+        except ProtocolError as error:
+            raise Violation("protocol_error", f"rank {r}: {error}") from error
+        self._settle(r)
+
+    def _forget_votes(self, r: int) -> None:
+        self.toys[r] = replace(self.toys[r], votes=(), votes_read=0)
+
     # -- the client -------------------------------------------------------------------------
+
+    def end_requests(self, ids: frozenset[int], *, failed: bool = False) -> None:
+        """These requests end (``failed``: with an error their caller sees); each
+        accepted request ends exactly once."""
+        again = ids & self.client.done
+        if again:
+            raise Violation("request_ended_twice", f"requests {sorted(again)} ended again")
+        client = replace(self.client, done=self.client.done | ids)
+        if failed:
+            client = replace(client, failed=client.failed | ids)
+        self.client = client
 
     def submit(self, spec: RequestSpec) -> int:
         client = self.client
@@ -620,7 +724,7 @@ class World:
                 moves.append(("drain_timeout",))
             else:
                 moves.append(("scale_next",))
-        elif (phase in ("PAUSING", "SWITCHING") and not client.awaiting) or (
+        elif (phase in ("PAUSING", "LEAVING", "SWITCHING") and not client.awaiting) or (
             phase == "RESIZING" and client.published_size == target
         ):
             moves.append(("scale_next",))
@@ -640,6 +744,7 @@ class World:
         event = {
             "DRAINING": Drained(),
             "PAUSING": RanksPaused(),
+            "LEAVING": GroupLeft(),
             "SWITCHING": SwitchDone(),
             "RESIZING": CoordinatorResized(),
         }[self.scaler.phase.name]
@@ -671,7 +776,12 @@ class World:
                 self._call(action.ranks, ResumeRequested(), awaited=False)
                 self.client = replace(self.client, paused=False)
                 self._scale_actions(self._handle(self.scaler, Resumed(), "scaler"))
+            elif isinstance(action, DropRanks):
+                self._drop_ranks(action)
+            elif isinstance(action, LeaveGroup):
+                self._call(action.ranks, GroupLost(), awaited=True)
             elif isinstance(action, ReconfigureFinished):
+                self.shrinking = False
                 self._check_roles(action.dp_size)
             else:
                 raise Violation("scale", f"the simulation cannot perform {action}")
@@ -685,15 +795,88 @@ class World:
                 "scale_roles", f"a scale to {dp_size} ranks finished with ranks {leftover} running"
             )
         elsewhere = {
-            r: loop.machine.dp_size
+            r: (loop.machine.rank, loop.machine.dp_size)
             for r, loop in enumerate(self.loops)
-            if loop.machine.dp_size != dp_size
+            if (loop.machine.rank, loop.machine.dp_size) != (r, dp_size)
         }
         if elsewhere:
             raise Violation(
                 "scale_roles",
-                f"a scale to {dp_size} ranks finished with ranks in other groups: {elsewhere}",
+                f"a scale to {dp_size} ranks finished with ranks numbered or grouped "
+                f"otherwise (rank, dp_size): {elsewhere}",
             )
+
+    # -- rank death (rule 5) -------------------------------------------------------------------
+
+    def death_moves(self) -> list[Move]:
+        """The ranks that may die now: a member of a reconfiguration (scaling rule 10), or
+        any rank while the engines serve with no call in flight (rule 9). Elsewhere a
+        death ends the engine (it cannot shrink), which is not modelled."""
+        if not self.deaths_left:
+            return []
+        members = self.scaler.members
+        if members is None:
+            client = self.client
+            if client.awaiting or client.paused or client.asleep:
+                return []
+            members = client.group
+        alive = [r for r in range(members) if r not in self.dead]
+        if len(alive) < 2:
+            return []  # the last rank's death ends the engine
+        return [("die", r) for r in alive]
+
+    def _die(self, r: int) -> None:
+        if ("die", r) not in self.death_moves():
+            raise ClientRefused(f"rank {r} cannot die here")
+        self._note(f"rank {r} dies")
+        self.deaths_left -= 1
+        self.dead = self.dead | {r}
+        self.shrinking = True
+        self.broken_calls = self.client.calls
+        for sender, receiver in self.network.pairs():
+            if r in (sender, receiver):
+                self.network.take(sender, receiver)  # lost with the process
+        # The loss cuts into whatever the scaler waited for: its call is abandoned.
+        self.client = replace(
+            self.client,
+            awaited_call=None,
+            awaited_mode=None,
+            awaiting=frozenset(),
+            arrivals=frozenset(),
+            pause_deadline=None,
+        )
+        members = self.scaler.members or self.client.group
+        event = RanksLost(old_dp_size=members, lost=tuple(sorted(self.dead)))
+        self._scale_actions(self._handle(self.scaler, event, "scaler"))
+        for q, loop in enumerate(self.loops):
+            if isinstance(loop.pending, Collective):
+                self._settle(q)
+
+    def _drop_ranks(self, action: DropRanks) -> None:
+        """``DropRanks`` as the engine's ``lose_ranks``: the lost ranks' requests end with
+        an error, and the survivors are renumbered in every table and channel."""
+        expected = tuple(r for r in range(len(self.loops)) if r not in self.dead)
+        if set(action.ranks) != self.dead or action.survivors != expected:
+            raise Violation(
+                "shrink_survivors",
+                f"ranks {sorted(self.dead)} of ranks 0..{len(self.loops) - 1} died, but the "
+                f"shrink drops {action.ranks} and keeps {action.survivors}",
+            )
+        owners = self.client.owners
+        ended = frozenset(
+            i for i, owner in enumerate(owners) if owner in self.dead and i not in self.client.done
+        )
+        self.end_requests(ended, failed=True)
+        new = {old: rank for rank, old in enumerate(action.survivors)}
+        # A dropped rank's requests have all ended: they belong to no rank (-1).
+        owners = tuple(new.get(owner, -1) for owner in owners)
+        self.loops = [self.loops[old] for old in action.survivors]
+        self.toys = [self.toys[old] for old in action.survivors]
+        self.network = self.network.renumbered(new)
+        n = len(action.survivors)
+        self.group_size = n
+        self.dead = frozenset()
+        self.client = replace(self.client, owners=owners, group=n, routing=n)
 
     def _stop_ranks(self, ranks: tuple[int, ...]) -> None:
         for r in ranks:
@@ -748,7 +931,7 @@ class _RankEffects:
         held = frozenset(q.id for q in toy.requests) & ids
         kept = tuple(q for q in toy.requests if q.id not in ids)
         world.toys[self.r] = replace(toy, requests=kept)
-        world.client = replace(world.client, done=world.client.done | held)
+        world.end_requests(held)
 
     def pause_scheduler(self, mode: PauseMode) -> None:
         if mode is PauseMode.ABORT:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from guarded import explored
 
-from wavecore.statemachines.harness.explore import default_configs, explore
+from wavecore.statemachines.harness.explore import death_configs, default_configs, explore
 from wavecore.statemachines.sim import main
 
 LARGE = (
@@ -19,6 +19,7 @@ LARGE = (
     "request-and-pause-wait",
     "request-and-repause",
     "sleep-keep-wake",
+    "request-and-death",
 )
 
 
@@ -36,6 +37,17 @@ def test_every_interleaving_of_the_small_configurations_holds(
         assert result.violation is None, result.violation.report() if result.violation else ""
         assert result.states > 50, f"{name} explored suspiciously little"
         assert result.complete, f"{name} stopped at depth {result.depth}, not at its end"
+
+
+# A rank's death at dp 2 is explored to the end (about 3 s for both); at dp 3 to a
+# depth that keeps each under 10 s (the command line explores them to the end).
+@pytest.mark.parametrize(("dp_size", "depths"), [(2, (60, 60)), (3, (11, 26))])
+def test_every_interleaving_of_a_rank_death_holds(dp_size: int, depths: tuple[int, int]) -> None:
+    for (name, config), depth in zip(death_configs(dp_size), depths, strict=True):
+        result = explored(config, depth)
+        assert result.violation is None, result.violation.report() if result.violation else ""
+        assert result.complete or result.depth == depth, f"{name} stopped at {result.depth}"
+        assert result.complete == (dp_size == 2), f"{name}: complete={result.complete}"
 
 
 def test_a_request_with_a_pause_and_a_duplicate_resume_holds_to_depth_16() -> None:

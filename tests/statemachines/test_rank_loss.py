@@ -1,5 +1,6 @@
 """Rank loss (`on_rank_failure="shrink"`): `RankMachine` rule 13 (`GroupLost`), the
-loop's `group_lost` (rule 6) and `ScalingMachine` rule 9 (`RanksLost`)."""
+loop's `group_lost` (rule 6), `ScalingMachine` rule 9 (`RanksLost`), and a death in
+the simulated world (its rule 5)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from wavecore.statemachines import (
     GroupLost,
     Idle,
     LeaveGroup,
+    NotifyWaveComplete,
     PauseComplete,
     PauseMode,
     PauseRequested,
@@ -44,7 +46,8 @@ from wavecore.statemachines import (
     SwitchRequested,
     WaitForInput,
 )
-from wavecore.statemachines.rank import RankSnapshot
+from wavecore.statemachines.harness.world import RequestSpec, World, WorldConfig
+from wavecore.statemachines.rank import GroupSwitched, RankSnapshot
 
 LEFT = (PauseScheduler(mode=PauseMode.KEEP), PauseComplete(), Idle())
 
@@ -114,6 +117,64 @@ def test_a_survivor_switches_to_the_smaller_group_under_its_new_number() -> None
     after = machine.snapshot()
     assert (after.rank, after.dp_size, after.phase) == (1, 2, RankPhase.IDLE)
     assert after.pause_state is PauseState.PAUSED  # until the shrink resumes it
+
+
+@pytest.mark.parametrize(("rank", "notify"), [(0, (NotifyWaveComplete(wave=4),)), (1, ())])
+def test_the_switch_after_a_loss_ends_the_lost_groups_wave(
+    rank: int, notify: tuple[object, ...]
+) -> None:
+    # No vote ended the wave the survivors left: the coordinator may believe it runs,
+    # and its START_DP_WAVE may still be in flight. The new rank 0 reports it complete.
+    machine = RankMachine(2, 3)
+    machine.restore(_state(RankPhase.RUNNING, open_votes=1))
+    machine.handle(GroupLost())
+    machine.handle(SwitchRequested(dp_size=2))
+    agreed = Reconfigured(rank=rank, dp_size=2, wave=4, running=False, step_counter=3)
+    assert machine.handle(agreed) == (*notify, GroupSwitched(dp_size=2))
+    after = machine.snapshot()
+    assert (after.wave, after.step_counter, after.left_group) == (5, 0, False)
+
+
+def test_a_switch_without_a_loss_keeps_the_agreed_wave() -> None:
+    machine = RankMachine(1, 2)
+    machine.restore(_state(RankPhase.IDLE, rank=1, dp_size=2, pause_state=PauseState.PAUSED))
+    machine.handle(SwitchRequested(dp_size=3))
+    agreed = Reconfigured(rank=1, dp_size=3, wave=4, running=False, step_counter=3)
+    assert machine.handle(agreed) == (GroupSwitched(dp_size=3),)
+    assert (machine.snapshot().wave, machine.snapshot().step_counter) == (4, 3)
+
+
+def _shrink_to_the_end(world: World) -> None:
+    """Deliver and step (first move first), and take the shrink's next part whenever
+    nothing else can move, until nothing can."""
+    while moves := world.network_moves() or world.scale_moves():
+        world.apply(moves[0])
+
+
+@pytest.mark.parametrize(("dead", "failed"), [(1, {0}), (0, set())])
+def test_a_dead_ranks_requests_end_with_an_error_and_the_survivors_are_renumbered(
+    dead: int, failed: set[int]
+) -> None:
+    world = World.start(WorldConfig(dp_size=3, duplicate_wave_complete=False, deaths=1))
+    world.submit(RequestSpec(rank=1, steps=2))
+    world.apply(("deliver", "client", 1))  # the request reaches rank 1
+    world.apply(("die", dead))
+    assert world.scaler.phase is ScalePhase.LEAVING
+    assert world.death_moves() == [], "one death in this run"
+    _shrink_to_the_end(world)
+    world.check_quiescent()
+    assert not world.scaler.active and world.client.group == 2
+    assert [loop.machine.rank for loop in world.loops] == [0, 1]
+    assert {loop.machine.dp_size for loop in world.loops} == {2}
+    assert world.client.failed == failed and world.client.done == {0}
+
+
+def test_no_rank_dies_where_the_engine_cannot_shrink() -> None:
+    world = World.start(WorldConfig(dp_size=2, deaths=1))
+    assert world.death_moves() == [("die", 0), ("die", 1)]
+    world.client_op(("pause", PauseMode.KEEP))
+    assert world.death_moves() == [], "a death while pausing ends the engine"
+    assert World.start(WorldConfig(dp_size=2)).death_moves() == [], "none unless asked"
 
 
 class _Effects:

@@ -19,6 +19,7 @@ from wavecore.statemachines import (
 )
 from wavecore.statemachines.harness.explore import (
     ExploreConfig,
+    death_configs,
     default_configs,
     explore,
     scale_configs,
@@ -151,6 +152,25 @@ def test_a_switch_that_keeps_its_own_wave_is_caught() -> None:
 def test_a_scale_down_that_never_stops_the_leaving_ranks_is_caught(dp_size: int) -> None:
     _, scale_down = scale_configs(dp_size)[1]
     assert_guarded(scale_down, "scale_keeps_leaving_ranks", {"scale_roles"}, depth=40)
+
+
+# -- rank death ----------------------------------------------------------------------------
+
+
+def test_a_loss_during_a_scale_that_undoes_nothing_is_caught() -> None:
+    # Scaling rule 10: a scale up cut before its switch must stop its new ranks.
+    _, scales = death_configs(2)[1]
+    assert_guarded(scales, "shrink_without_undo", {"shrink_survivors"}, depth=60)
+
+
+def test_a_shrink_that_keeps_the_lost_groups_wave_is_caught() -> None:
+    # Found by the explorer: the survivors of a loss resumed in the wave their lost
+    # group never ended, which the coordinator still believed running, counting its
+    # steps from 0 again (and whose START_DP_WAVE, still in flight, started one
+    # survivor alone at dp 3: a deadlock).
+    _, request = death_configs(2)[0]
+    rules = {"coordinator_running", "coordinator_wave", "lockstep"}
+    assert_guarded(request, "shrink_keeps_lost_wave", rules, depth=60)
 
 
 def test_a_request_for_the_new_rank_during_a_scale_up() -> None:
