@@ -36,6 +36,7 @@ check-protocol: $(STAMP)
 soak: SOAK_SEEDS ?= 50
 soak: $(STAMP)
 	SOAK_SEEDS=$(SOAK_SEEDS) $(BIN)/python -m pytest tests/dp/test_dp_rank_loss.py -k random -q
+	SOAK_SEEDS=$(SOAK_SEEDS) $(BIN)/python -m pytest tests/dp/test_dp_scale_old_rank_faults.py -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

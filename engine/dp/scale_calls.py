@@ -44,8 +44,9 @@ async def call_each(
     seconds: float,
 ) -> None:
     """Call every rank (`message(rank, call_id)`, one call each, concurrently) and wait
-    for all answers, at most `seconds`. Raises `RanksUnanswered` naming the silent ranks, else `RankCallError`
-    with every refusal (a rank that refuses still answered)."""
+    for all answers, at most `seconds`. Raises `RanksUnanswered` naming the silent
+    ranks, else `RankCallError` with every refusal (a rank that refuses still
+    answered)."""
     answered: set[int] = set()
     errors: dict[int, str] = {}
     ended: list[EngineDeadError] = []

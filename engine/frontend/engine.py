@@ -70,7 +70,13 @@ _request_numbers = itertools.count()
 
 @dataclass(slots=True)
 class _Call:
-    waiting_for: set[int]
+    """A call to ranks, awaiting one answer from each. Counted, not matched by number: a
+    shrink renumbers the survivors (`lose_ranks`), and a survivor answers under its old
+    number until its own renumbering reaches it, so a number cannot say who answered."""
+
+    ranks: set[int]  # the ranks called, in the current numbering
+    pending: int  # answers still to come
+    answered: set[int] = field(default_factory=set)  # the numbers answers came under
     done: anyio.Event = field(default_factory=anyio.Event)
     errors: list[str] = field(default_factory=list)
     stats: list[RankStats] = field(default_factory=list)
@@ -472,10 +478,15 @@ class FrontEnd:
                 stream.end_with_error(error)
                 self._finished(request_id)
         for call_id, call in list(self._calls.items()):
-            if call.waiting_for & set(lost):
+            # Every answer so far came under the old numbers; a lost rank that did not
+            # answer never will.
+            silent = (call.ranks & set(lost)) - call.answered
+            if silent:
                 call.errors.append(error)
-            call.waiting_for = {new[rank] for rank in call.waiting_for if rank in new}
-            if not call.waiting_for:
+                call.pending -= len(silent)
+            call.ranks = {new[rank] for rank in call.ranks if rank in new}
+            call.answered = {new[rank] for rank in call.answered if rank in new}
+            if call.pending <= 0:
                 del self._calls[call_id]
                 call.done.set()
         self._outbox = deque((new[rank], item) for rank, item in self._outbox if rank in new)
@@ -525,7 +536,7 @@ class FrontEnd:
 
     async def _start_call(self, ranks: Collection[int], message: Callable[[int], Any]) -> _Call:
         call_id = next(self._call_ids)
-        call = _Call(waiting_for=set(ranks))
+        call = _Call(ranks=set(ranks), pending=len(set(ranks)))
         self._calls[call_id] = call
         built = message(call_id)
         for rank in ranks:
@@ -615,12 +626,13 @@ class FrontEnd:
         call = self._calls.get(message.call_id)
         if call is None:
             return
-        call.waiting_for.discard(message.rank)
+        call.pending -= 1
+        call.answered.add(message.rank)
         if message.error is not None:
             call.errors.append(f"rank {message.rank}: {message.error}")
         if message.stats is not None:
             call.stats.append(message.stats)
-        if not call.waiting_for:
+        if call.pending <= 0:
             del self._calls[message.call_id]
             call.done.set()
 

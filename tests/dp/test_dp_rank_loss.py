@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
-from dp_helpers import HANG_GUARD, expected_tokens, null_config, tokens_of, wiring_of
+from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens_of, wiring_of
 from rank_loss_soak import soak
 
 from wavecore.engine.api import open_dp_engine
@@ -102,3 +102,27 @@ async def test_random_kills_and_stops_under_load(seed: int, dp_mode: str) -> Non
     result = await soak(seed, dp_mode=dp_mode)
     assert result.problems == []
     assert result.finished > 0 and result.kills + result.stops == 3
+
+
+async def test_a_shrink_ends_the_wave_the_lost_rank_kept_running() -> None:
+    """Only rank 0 has work when it dies: no vote ends the wave the survivors leave
+    (rank rule 13), so the switch into the smaller group ends it. Without that the
+    coordinator believes for ever that the engine runs."""
+    config = null_config(dp_size=3, on_rank_failure="shrink", collective_timeout=2.0)
+    with anyio.fail_after(HANG_GUARD):
+        async with open_dp_engine(config) as engine:
+            endless = engine.generate("endless", SamplingParams(max_tokens=10**6), dp_rank=0)
+            await endless.__anext__()
+            for rank in (1, 2):  # they finish in the wave rank 0 keeps running
+                await collect(engine, f"short {rank}", SamplingParams(max_tokens=3), dp_rank=rank)
+            os.kill(wiring_of(engine).processes["rank 0"].pid, signal.SIGKILL)
+            last = [delta async for delta in endless][-1]
+            assert last.finish_reason == "error" and "rank 0 lost" in last.error
+            # Polled, the condition being in other processes; `stats()` called while the
+            # shrink renumbers the survivors must be answered too.
+            while engine.dp_size != 2 or (await engine.stats()).engines_running:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+            for rank in range(2):
+                prompt = f"after {rank}"
+                deltas = await collect(engine, prompt, SamplingParams(max_tokens=5), dp_rank=rank)
+                assert tokens_of(deltas) == expected_tokens(prompt, 5)
