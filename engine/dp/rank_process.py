@@ -26,6 +26,7 @@ Theory of operation:
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 from collections.abc import Callable
@@ -158,6 +159,16 @@ async def _run_rank(
                 verdict = await handshake.receive()
                 if not verdict.accepted:
                     return
+                if config.async_scheduling:
+                    # The heap now holds the model and the engine for the process's
+                    # lifetime, so the garbage collector need not scan it again. The
+                    # batch queue keeps a step's objects alive while it builds the next,
+                    # which otherwise sets off full collections of the whole heap (about
+                    # 100 ms each with torch loaded) while the forward that finished
+                    # waits for the GIL (README, "The batch queue"); the serial loop
+                    # never set one off there.
+                    gc.collect()
+                    gc.freeze()
                 machine = RankMachine(
                     rank,
                     assignment.dp_size,
