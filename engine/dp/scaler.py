@@ -240,7 +240,6 @@ class Scaler:
         except ReconfigurationActiveError as error:
             raise ScalingInProgressError(str(error)) from None
         scale = f"scaling from {old} to {new_dp_size} ranks"
-        lost: str | None = None
         try:
             async with anyio.create_task_group() as watches:
                 self._watches = watches
@@ -291,12 +290,10 @@ class Scaler:
                 f"scaling from {old} to {new_dp_size} ranks failed {where}, after the switch "
                 f"started (not rolled back; the engine may be unusable): {reason}"
             ) from error
-        else:
-            lost = self._end_losses()
         finally:
             self._watches = None
             self._new_ranks = ()
-            self._end_losses()
+            lost = self._end_losses()  # read below only when the scale itself succeeded
         if lost is not None:
             raise ScalingFailedError(
                 f"{scale} failed {lost}; the engine goes on with {host.dp_size} ranks"

@@ -536,7 +536,8 @@ class FrontEnd:
 
     async def _start_call(self, ranks: Collection[int], message: Callable[[int], Any]) -> _Call:
         call_id = next(self._call_ids)
-        call = _Call(ranks=set(ranks), pending=len(set(ranks)))
+        called = set(ranks)
+        call = _Call(ranks=called, pending=len(called))
         self._calls[call_id] = call
         built = message(call_id)
         for rank in ranks:
