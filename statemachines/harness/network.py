@@ -46,6 +46,13 @@ class Network:
             del self.channels[sender, receiver]
         return head
 
+    def keep(self, sender: Party, receiver: Party, messages: tuple[Message, ...]) -> None:
+        """Leave exactly ``messages`` in flight on one channel."""
+        if messages:
+            self.channels[sender, receiver] = messages
+        else:
+            self.channels.pop((sender, receiver), None)
+
     def take(self, sender: Party, receiver: Party) -> tuple[Message, ...]:
         """Remove and return everything in flight on one channel."""
         return self.channels.pop((sender, receiver), ())

@@ -12,7 +12,10 @@ Theory of operation (``ExploreConfig.reduction``: "por", the default, or "none")
    qualify (rules 2 to 4), the one with the fewest enabled moves is taken.
 2. The client must not change what r's moves read or do before r moves (``calm_ranks``):
 
-   a. no scale is active or left in its script (a scale changes the group and routing);
+   a. no scale is left in its script (a scale changes the group and routing), and one
+      that is active waits for the answers to one of its calls (its pause or its
+      switch), in a run where no rank may die: it moves on only once every rank
+      answered, r among them, so until r moves it is a client awaiting a call (b);
    b. while it awaits a call, r has not answered it: the client can do nothing until
       every rank answered, and the last answer (which makes the client see the
       engines paused) needs r's; the other answers only take their rank out of
@@ -37,7 +40,9 @@ Theory of operation (``ExploreConfig.reduction``: "por", the default, or "none")
    first_req, no fresh start_wave (one for a newer wave, or for its wave while it is
    idle) is in flight to it, no request is left to submit, and no other rank may
    announce a wave (``may_announce``: a request, a START_DP_WAVE, a resume or a wake
-   is in flight to it, or it waits in or has queued a resume barrier).
+   is in flight to it, or it waits in or has queued a resume barrier). Or every
+   START_DP_WAVE that may reach r before it moves is one rule 9b drops as it is sent
+   (``_deaf_to_broadcasts``): r runs in the newest wave any party knows of.
 4. What r's moves share with other ranks commutes: a vote's ballots are fixed once
    every member started it, and the rank that reads it reads the same result in
    whichever move completes it (the vote table is kept in one normal form); a barrier
@@ -86,14 +91,48 @@ Theory of operation (``ExploreConfig.reduction``: "por", the default, or "none")
    the interleavings up to it (every violation the tests guard is still found at the
    depths they use, and a survey of small configurations finds the same violations and
    terminal states with and without the reduction: ``test_reduction``).
+9. Inert messages (``drop_inert``, after every move of a search with the reduction
+   on): a message that its receiver would ignore whenever it arrives is taken out of
+   its channel at once. Delivering one is a move that changes no state but its
+   channel (or, into an idle rank, an empty iteration that ends in the state it began
+   in), so every path of the full graph maps to one of the same other moves in the
+   reduced one, where the messages behind it arrive a move sooner, and every check
+   sees the same sequence of states (a check that reads whether anything is in
+   flight, the deadlock check, may fire a move sooner, on the state that follows the
+   delivery). Each is checked against the machine itself (fed a copy of the receiver,
+   it changes nothing and does nothing) and must stay ignored:
+
+   a. to the coordinator, a start_wave that is stale (``_stale``) or a wave_complete of
+      a wave before the coordinator's: its wave never goes back, and it leaves running
+      only for a newer wave (premises of rule 5);
+   b. to a lockstep rank that is not waiting for input, a START_DP_WAVE of a wave
+      before its *floor*: its wave, plus one while it runs. A rank's floor never goes
+      down (a premise checked at every move: a running rank stops only at the end of
+      its wave or at a pause, both of which move it to the next wave). Only where no
+      rank may die: a rank out of a broken group stops running in its wave.
+
+   The lockstep ranks each announce a wave and the coordinator answers the first with
+   a broadcast to all: the interleavings of the ignored rest (in flight, delivered)
+   would otherwise multiply the states five times over.
 """
 
 from __future__ import annotations
 
-from ..rank import JoinGroup, PauseMode, ResumeBarrier, ResumeRequested, WakeUpRequested
-from ..rank_loop import Collective
-from .network import CLIENT, COORDINATOR
-from .world import Move, World
+from functools import partial
+
+from ..errors import ProtocolError
+from ..rank import (
+    JoinGroup,
+    PauseMode,
+    RankSnapshot,
+    ResumeBarrier,
+    ResumeRequested,
+    StartWave,
+    WakeUpRequested,
+)
+from ..rank_loop import Collective, WaitForInput
+from .network import CLIENT, COORDINATOR, Message
+from .world import Move, World, coordinator_event
 
 REDUCTIONS = ("por", "none")
 
@@ -107,8 +146,8 @@ def calm_ranks(world: World, targets: frozenset[int], ops_left: bool) -> frozens
     ``targets``: the ranks the requests still to submit go to; ``ops_left``: the client
     has calls left in its script (a scale's excluded)."""
     client = world.client
-    if world.scaler.active:
-        return frozenset()
+    if world.scaler.active and client.awaited_call is None:
+        return frozenset()  # rule 2a
     if client.awaited_call is None:
         if ops_left and (client.paused or client.asleep):
             return frozenset()  # rule 2d
@@ -124,10 +163,11 @@ def calm_ranks(world: World, targets: frozenset[int], ops_left: bool) -> frozens
 
 
 def persistent_moves(
-    world: World, moves: list[Move], calm: frozenset[int], submits_left: bool
+    world: World, moves: list[Move], calm: frozenset[int], submits_left: bool, calls_left: bool
 ) -> list[Move] | None:
     """The enabled moves of one of the ``calm`` ranks that stand for all of ``moves``
-    (rules 1, 3 and 4), or None where no rank qualifies or its moves are all there is."""
+    (rules 1, 3 and 4), or None where no rank qualifies or its moves are all there is.
+    ``calls_left``: the client may make a call before a calm rank moves."""
     if not _group_fixed(world):
         return None
     by_rank: dict[int, list[Move]] = {}
@@ -145,12 +185,59 @@ def persistent_moves(
     eligible = [
         rank_moves
         for r, rank_moves in by_rank.items()
-        if (COORDINATOR, r) in world.network or not (announced or announcers - {r})
+        if (COORDINATOR, r) in world.network
+        or not (announced or announcers - {r})
+        or _deaf_to_broadcasts(world, r, quiet=not (submits_left or calls_left or announcers - {r}))
     ]
     if not eligible:
         return None
     chosen = min(eligible, key=len)
     return chosen if len(chosen) < len(moves) else None
+
+
+def _deaf_to_broadcasts(world: World, r: int, *, quiet: bool) -> bool:
+    """Whether every START_DP_WAVE the coordinator may send rank ``r`` before it moves
+    is inert for it (rule 3, through rule 9b): ``r`` runs in wave w and takes no input
+    now, no wave after w is known anywhere (a rank's, the coordinator's, the client's,
+    one a message carries), and ``r`` ignores a START_DP_WAVE of any wave up to w. A
+    newer wave is announced only if one ends (through a vote ``r`` started and others
+    have still to read) and a rank then has a cause to announce it: ``quiet``, no
+    other rank may announce and the client will neither submit nor call before ``r``
+    moves (a broadcast of w makes an idle rank announce w, no more)."""
+    loop = world.loops[r]
+    machine = loop.machine
+    if not (_floors_hold(world) and machine.running) or isinstance(loop.pending, WaitForInput):
+        return False
+    wave = machine.wave
+    if (world.toys[r].votes and not quiet) or _newest_wave(world) > wave:
+        return False
+    before = machine.snapshot()
+    for old in range(wave + 1):
+        for exclude in range(len(world.loops)):
+            probe = machine.copy()
+            try:
+                actions = probe.handle(StartWave(wave=old, exclude_rank=exclude))
+            except ProtocolError:
+                return False
+            if actions or probe.snapshot() != before:
+                return False
+    return True
+
+
+def _newest_wave(world: World) -> int:
+    """The newest wave any party knows of, or a message in flight makes known."""
+    newest = max(world.coordinator.wave, world.client.wave)
+    newest = max(newest, *(loop.machine.wave for loop in world.loops))
+    for queue in world.network.channels.values():
+        for message in queue:
+            kind = message[0]
+            if kind in ("first_req", "start_wave", "add"):
+                newest = max(newest, message[2])  # type: ignore[call-overload]
+            elif kind in ("start_dp_wave", "publish"):
+                newest = max(newest, message[1])  # type: ignore[call-overload]
+            elif kind == "wave_complete":
+                newest = max(newest, message[1] + 1)  # type: ignore[operator]
+    return newest
 
 
 def may_announce(world: World, q: int) -> bool:
@@ -196,8 +283,62 @@ def _group_fixed(world: World) -> bool:
     )
 
 
+def drop_inert(world: World) -> None:
+    """Take every inert message out of its channel (rule 9)."""
+    ranks_too = _floors_hold(world)
+    for sender, receiver in world.network.pairs():
+        if receiver == COORDINATOR:
+            world.discard(sender, receiver, partial(_inert, world))
+        elif sender == COORDINATOR and isinstance(receiver, int) and ranks_too:
+            world.discard(sender, receiver, partial(_ignored_by, world, receiver))
+
+
+def _inert(world: World, message: Message) -> bool:
+    """Rule 9a."""
+    kind = message[0]
+    coordinator = world.coordinator
+    if not (
+        (kind == "start_wave" and _stale(world, message))
+        or (kind == "wave_complete" and message[1] < coordinator.wave)  # type: ignore[operator]
+    ):
+        return False
+    probe = coordinator.copy()
+    try:
+        actions = probe.handle(coordinator_event(message))
+    except ProtocolError:
+        return False  # left for the search to report
+    return not actions and probe.snapshot() == coordinator.snapshot()
+
+
+def _ignored_by(world: World, r: int, message: Message) -> bool:
+    """Rule 9b."""
+    loop = world.loops[r]
+    machine = loop.machine
+    if message[0] != "start_dp_wave" or isinstance(loop.pending, WaitForInput):
+        return False
+    if message[1] >= _floor(machine.snapshot()):  # type: ignore[operator]
+        return False
+    probe = machine.copy()
+    try:
+        actions = probe.handle(StartWave(wave=message[1], exclude_rank=message[2]))  # type: ignore[arg-type]
+    except ProtocolError:
+        return False
+    return not actions and probe.snapshot() == machine.snapshot()
+
+
+def _floors_hold(world: World) -> bool:
+    """Whether rule 9b's premise holds for this world: lockstep ranks none of which
+    may die."""
+    return world.config.lockstep and not world.config.deaths
+
+
+def _floor(snapshot: RankSnapshot) -> int:
+    """The oldest wave a START_DP_WAVE may still start for the rank (rule 9b)."""
+    return snapshot.wave + snapshot.running
+
+
 def check_premises(before: World, move: Move, after: World, *, scaling_over: bool) -> None:
-    """The premises of rule 5, for ``move`` from ``before`` to ``after``;
+    """The premises of rules 5 and 9, for ``move`` from ``before`` to ``after``;
     ``scaling_over``: no scale is active or left in the client's script."""
     if move[0] == "die":
         # It sends nothing, and renumbers the ranks' channels; a death may come only
@@ -211,6 +352,8 @@ def check_premises(before: World, move: Move, after: World, *, scaling_over: boo
     if move[0] == "deliver" and move[2] == COORDINATOR:
         message = channels[move[1], COORDINATOR][0]  # type: ignore[index]
         old, new = before.coordinator, after.coordinator
+        if new.wave < old.wave:
+            raise ReductionError(f"the coordinator went back to wave {new.wave} on {message}")
         if old.engines_running and not new.engines_running and new.wave <= old.wave:
             raise ReductionError(f"the coordinator went idle in wave {new.wave} on {message}")
         cause = message[0] == "first_req" or (
@@ -223,6 +366,10 @@ def check_premises(before: World, move: Move, after: World, *, scaling_over: boo
         ):
             raise ReductionError(f"the coordinator broadcast on {message}")
         return
+    if _floors_hold(after):
+        for q, (old_loop, new_loop) in enumerate(zip(before.loops, after.loops, strict=False)):
+            if _floor(new_loop.machine.snapshot()) < _floor(old_loop.machine.snapshot()):
+                raise ReductionError(f"rank {q}'s floor went down in {move}")
     for q in range(len(after.loops)):
         sent = after.network.channels.get((q, COORDINATOR), ())[
             len(channels.get((q, COORDINATOR), ())) :

@@ -1,5 +1,7 @@
 """The state key of a world: everything that decides its future, and nothing more.
 
+The forwards a rank counted in a wave it has left are dropped (``_current``).
+
 Step counters of a long-running wave (and the votes the ranks started in it) are
 shifted down by a multiple of ``sync_interval``: the rules only ever compare them with
 1 and 2, with each other and modulo the interval, so shifted states behave alike (a
@@ -19,11 +21,14 @@ from .view import WorldView
 
 def world_key(world: WorldView) -> tuple[object, ...]:
     loops = [loop.snapshot() for loop in world.loops]
-    toys = list(world.toys)
+    toys = [
+        _current(toy, machine.wave) for toy, (machine, _) in zip(world.toys, loops, strict=True)
+    ]
     interval = world.config.sync_interval
     counters = [machine.step_counter for machine, _ in loops if machine.running]
-    # Open votes lie at most two vote points back: past the shift they stay above 2.
-    if counters and min(counters) > 3 * interval + 2:
+    # Open votes lie at most two vote points back: past the shift they stay above 2. A
+    # pause's deadline is a step of a wave; while one is set, nothing is shifted.
+    if counters and min(counters) > 3 * interval + 2 and world.client.pause_deadline is None:
         shift = ((min(counters) - 2 * interval - 3) // interval) * interval
         loops, toys = _shifted(loops, toys, shift)
     return (
@@ -39,6 +44,15 @@ def world_key(world: WorldView) -> tuple[object, ...]:
         world.dead,
         world.shrinking,
     )
+
+
+def _current(toy: ToyRank, wave: int) -> ToyRank:
+    """The toy with the forwards of a wave its rank has left counted as none in its
+    current one: they are read only while their wave is the rank's (a rank's wave never
+    goes back), and a first forward in a wave counts one either way."""
+    if toy.forwards_wave >= wave:
+        return toy
+    return replace(toy, forwards=0, forwards_wave=wave)
 
 
 def _shifted(

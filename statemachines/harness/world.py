@@ -138,6 +138,7 @@ __all__ = [
     "Violation",
     "World",
     "WorldConfig",
+    "coordinator_event",
 ]
 
 Move = tuple[object, ...]
@@ -287,6 +288,14 @@ class World:
         self._read_ready_votes()
         check_after_move(self, waves_before, rank_waves)
 
+    def discard(self, sender: Party, receiver: Party, inert: Callable[[Message], bool]) -> None:
+        """Take the messages ``inert`` picks out of one channel (``por`` rule 9)."""
+        queue = self.network.channels.get((sender, receiver), ())
+        kept = tuple(message for message in queue if not inert(message))
+        if len(kept) < len(queue):
+            self._note(lambda: f"drop inert {sender}->{receiver} {set(queue) - set(kept)}")
+            self.network.keep(sender, receiver, kept)
+
     def quiescent(self) -> bool:
         return not self.network_moves()
 
@@ -321,17 +330,8 @@ class World:
     # -- coordinator ----------------------------------------------------------------------
 
     def _coordinator_receives(self, message: Message) -> None:
-        kind = message[0]
-        if kind == "first_req":
-            event: object = FirstRequest(rank=message[1], wave=message[2])  # type: ignore[arg-type]
-        elif kind == "start_wave":
-            event = RankStartedWave(rank=message[1], wave=message[2])  # type: ignore[arg-type]
-        elif kind == "wave_complete":
-            event = WaveCompleted(wave=message[1])  # type: ignore[arg-type]
-        else:
-            event = Resize(dp_size=message[1])  # type: ignore[arg-type]
         wave = self.coordinator.wave
-        actions = self._handle(self.coordinator, event, "coordinator")
+        actions = self._handle(self.coordinator, coordinator_event(message), "coordinator")
         # A local half of the coordinator-wave property (``por`` rule 7b): a new wave
         # must come from the message.
         if self.coordinator.wave > max(wave, _carried_wave(message)):
@@ -617,6 +617,8 @@ class World:
     def end_requests(self, ids: frozenset[int], *, failed: bool = False) -> None:
         """These requests end (``failed``: with an error their caller sees); each
         accepted request ends exactly once."""
+        if not ids:
+            return  # most steps finish nothing
         again = ids & self.client.done
         if again:
             raise Violation("request_ended_twice", f"requests {sorted(again)} ended again")
@@ -893,6 +895,18 @@ class World:
         del self.loops[keep:]
         del self.toys[keep:]
         self.group_size = keep
+
+
+def coordinator_event(message: Message) -> object:
+    """The coordinator's event for a message to it."""
+    kind = message[0]
+    if kind == "first_req":
+        return FirstRequest(rank=message[1], wave=message[2])  # type: ignore[arg-type]
+    if kind == "start_wave":
+        return RankStartedWave(rank=message[1], wave=message[2])  # type: ignore[arg-type]
+    if kind == "wave_complete":
+        return WaveCompleted(wave=message[1])  # type: ignore[arg-type]
+    return Resize(dp_size=message[1])  # type: ignore[arg-type]
 
 
 def _carried_wave(message: Message) -> int:
