@@ -28,6 +28,8 @@ demo: $(STAMP)
 # `make test` runs the scenarios shallower.
 check-protocol: $(STAMP)
 	$(BIN)/python -m wavecore.statemachines.sim --dp 2
+	$(BIN)/python -m wavecore.statemachines.sim --dp 2 --sync-interval 2
+	$(BIN)/python -m wavecore.statemachines.sim --dp 2 --sync-interval 3
 	$(BIN)/python -m wavecore.statemachines.sim --dp 3
 	$(BIN)/python -m wavecore.statemachines.sim --dp 2 --every-variant
 

@@ -16,7 +16,7 @@ Theory of operation:
 4. ``python -m wavecore.statemachines.sim --dp 3`` explores every interleaving of the
    small configurations of ``explore.default_configs`` (requests, pauses of each mode
    with resumes, a sleep and its wake, scales up and down with and without a request),
-   to depth 60 unless ``--depth`` or a configuration's own cap says less, and
+   to depth 60 unless ``--depth`` says less, and
    exits 0 with "no violation", or 1 with the violating trace; ``--break NAME`` runs a
    deliberately broken variant, ``--scenario NAME`` only the configurations named.
    Each configuration's line gives the depth reached, the states, the seconds, and

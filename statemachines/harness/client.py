@@ -52,6 +52,9 @@ class ClientState:
     asleep: bool = False
     # The size the coordinator last published (a scale waits for its new size).
     published_size: int = 0
+    # The running drain's timeout fired: it aborts what is left once, as the engine's
+    # does, then waits for the aborts to end the requests.
+    drain_timed_out: bool = False
 
     def unfinished_on(self, ranks: range) -> tuple[int, ...]:
         return tuple(

@@ -105,11 +105,14 @@ Theory of operation (``ExploreConfig.reduction``: "por", the default, or "none")
    a. to the coordinator, a start_wave that is stale (``_stale``) or a wave_complete of
       a wave before the coordinator's: its wave never goes back, and it leaves running
       only for a newer wave (premises of rule 5);
-   b. to a lockstep rank that is not waiting for input, a START_DP_WAVE of a wave
-      before its *floor*: its wave, plus one while it runs. A rank's floor never goes
-      down (a premise checked at every move: a running rank stops only at the end of
-      its wave or at a pause, both of which move it to the next wave). Only where no
-      rank may die: a rank out of a broken group stops running in its wave.
+   b. to a lockstep rank, a START_DP_WAVE of a wave before its *floor*: its wave,
+      plus one while it runs. A rank's floor never goes down (a premise checked at
+      every move: a running rank stops only at the end of its wave or at a pause, both
+      of which move it to the next wave). Only where no rank may die: a rank out of a
+      broken group stops running in its wave. Into a rank waiting for input, the
+      message wakes it for an empty step: it is dropped only where that step, tried
+      on a copy of the world, leaves every party as it was (an idle rank's step
+      finds the requests its last step found: every input is followed by a step).
 
    The lockstep ranks each announce a wave and the coordinator answers the first with
    a broadcast to all: the interleavings of the ignored rest (in flight, delivered)
@@ -130,9 +133,9 @@ from ..rank import (
     StartWave,
     WakeUpRequested,
 )
-from ..rank_loop import Collective, WaitForInput
+from ..rank_loop import Collective, RunStep, WaitForInput
 from .network import CLIENT, COORDINATOR, Message
-from .world import Move, World, coordinator_event
+from .world import Move, Violation, World, coordinator_event
 
 REDUCTIONS = ("por", "none")
 
@@ -163,11 +166,10 @@ def calm_ranks(world: World, targets: frozenset[int], ops_left: bool) -> frozens
 
 
 def persistent_moves(
-    world: World, moves: list[Move], calm: frozenset[int], submits_left: bool, calls_left: bool
+    world: World, moves: list[Move], calm: frozenset[int], submits_left: bool
 ) -> list[Move] | None:
     """The enabled moves of one of the ``calm`` ranks that stand for all of ``moves``
-    (rules 1, 3 and 4), or None where no rank qualifies or its moves are all there is.
-    ``calls_left``: the client may make a call before a calm rank moves."""
+    (rules 1, 3 and 4), or None where no rank qualifies or its moves are all there is."""
     if not _group_fixed(world):
         return None
     by_rank: dict[int, list[Move]] = {}
@@ -187,7 +189,7 @@ def persistent_moves(
         for r, rank_moves in by_rank.items()
         if (COORDINATOR, r) in world.network
         or not (announced or announcers - {r})
-        or _deaf_to_broadcasts(world, r, quiet=not (submits_left or calls_left or announcers - {r}))
+        or _deaf_to_broadcasts(world, r, quiet=not (submits_left or _requests_in_flight(world)))
     ]
     if not eligible:
         return None
@@ -199,11 +201,14 @@ def _deaf_to_broadcasts(world: World, r: int, *, quiet: bool) -> bool:
     """Whether every START_DP_WAVE the coordinator may send rank ``r`` before it moves
     is inert for it (rule 3, through rule 9b): ``r`` runs in wave w and takes no input
     now, no wave after w is known anywhere (a rank's, the coordinator's, the client's,
-    one a message carries), and ``r`` ignores a START_DP_WAVE of any wave up to w. A
-    newer wave is announced only if one ends (through a vote ``r`` started and others
-    have still to read) and a rank then has a cause to announce it: ``quiet``, no
-    other rank may announce and the client will neither submit nor call before ``r``
-    moves (a broadcast of w makes an idle rank announce w, no more)."""
+    one a message carries), and ``r`` ignores a START_DP_WAVE of any wave up to w.
+
+    A broadcast of w+1 needs wave w to end first, which only a vote ``r`` started and
+    others have still to read can do without ``r``, and then a cause to announce w+1
+    or to wake the coordinator into it: a request arriving at an idle rank, or a
+    first_req. ``quiet``: none is in flight or left to submit. A START_DP_WAVE carries
+    no wave after w (by induction), and a resume or a wake announces only out of a
+    barrier that ``r`` must enter first."""
     loop = world.loops[r]
     machine = loop.machine
     if not (_floors_hold(world) and machine.running) or isinstance(loop.pending, WaitForInput):
@@ -222,6 +227,14 @@ def _deaf_to_broadcasts(world: World, r: int, *, quiet: bool) -> bool:
             if actions or probe.snapshot() != before:
                 return False
     return True
+
+
+def _requests_in_flight(world: World) -> bool:
+    return any(
+        message[0] in ("add", "first_req")
+        for queue in world.network.channels.values()
+        for message in queue
+    )
 
 
 def _newest_wave(world: World) -> int:
@@ -314,16 +327,39 @@ def _ignored_by(world: World, r: int, message: Message) -> bool:
     """Rule 9b."""
     loop = world.loops[r]
     machine = loop.machine
-    if message[0] != "start_dp_wave" or isinstance(loop.pending, WaitForInput):
+    if message[0] != "start_dp_wave" or message[1] >= _floor(machine.snapshot()):  # type: ignore[operator]
         return False
-    if message[1] >= _floor(machine.snapshot()):  # type: ignore[operator]
-        return False
+    if isinstance(loop.pending, WaitForInput):
+        return _wakes_for_nothing(world, r, message)
     probe = machine.copy()
     try:
         actions = probe.handle(StartWave(wave=message[1], exclude_rank=message[2]))  # type: ignore[arg-type]
     except ProtocolError:
         return False
     return not actions and probe.snapshot() == machine.snapshot()
+
+
+def _wakes_for_nothing(world: World, r: int, message: Message) -> bool:
+    """Rule 9b, into an idle rank: delivered now, the message and the empty step it
+    wakes the rank for leave every party as it was, but for the message's channel."""
+    probe = world.clone()
+    probe.network.keep(COORDINATOR, r, (message,))
+    try:
+        probe.apply(("deliver", COORDINATOR, r))
+        if isinstance(probe.loops[r].pending, RunStep):
+            probe.apply(("step", r))
+    except (Violation, ProtocolError):
+        return False  # left for the search to report
+    channels = {
+        pair: queue for pair, queue in world.network.channels.items() if pair != (COORDINATOR, r)
+    }
+    return (
+        probe.network.channels == channels
+        and [loop.snapshot() for loop in probe.loops] == [loop.snapshot() for loop in world.loops]
+        and probe.toys == world.toys
+        and probe.client == world.client
+        and probe.coordinator.snapshot() == world.coordinator.snapshot()
+    )
 
 
 def _floors_hold(world: World) -> bool:

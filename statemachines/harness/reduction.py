@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from ..rank import RankSnapshot
 from ..rank_loop import LoopSnapshot
+from .client import ClientState
 from .toy import ToyRank
 from .view import WorldView
 
@@ -25,17 +26,20 @@ def world_key(world: WorldView) -> tuple[object, ...]:
         _current(toy, machine.wave) for toy, (machine, _) in zip(world.toys, loops, strict=True)
     ]
     interval = world.config.sync_interval
+    client = world.client
     counters = [machine.step_counter for machine, _ in loops if machine.running]
-    # Open votes lie at most two vote points back: past the shift they stay above 2. A
-    # pause's deadline is a step of a wave; while one is set, nothing is shifted.
-    if counters and min(counters) > 3 * interval + 2 and world.client.pause_deadline is None:
+    # Open votes lie at most two vote points back: past the shift they stay above 2.
+    if counters and min(counters) > 3 * interval + 2 and _deadline_shifts(client, loops, toys):
         shift = ((min(counters) - 2 * interval - 3) // interval) * interval
         loops, toys = _shifted(loops, toys, shift)
+        if client.pause_deadline is not None:
+            wave, step = client.pause_deadline
+            client = replace(client, pause_deadline=(wave, step - shift))
     return (
         tuple(loops),
         tuple(toys),
         world.coordinator.snapshot(),
-        world.client,
+        client,
         world.group_size,
         world.network.key(),
         world.scaler.snapshot(),
@@ -43,6 +47,22 @@ def world_key(world: WorldView) -> tuple[object, ...]:
         world.broken_calls,
         world.dead,
         world.shrinking,
+    )
+
+
+def _deadline_shifts(
+    client: ClientState, loops: list[tuple[RankSnapshot, LoopSnapshot]], toys: list[ToyRank]
+) -> bool:
+    """Whether a pause's deadline (a step of a wave) shifts with the counters: every
+    rank held to it runs in its wave, so every forward checked against it is shifted
+    alike. Unshifted, a deadline fixed after any number of dummy steps would make the
+    states of a long pause all differ."""
+    if client.pause_deadline is None:
+        return True
+    wave = client.pause_deadline[0]
+    return all(
+        loops[r][0].running and loops[r][0].wave == wave and toys[r].forwards_wave == wave
+        for r in client.awaiting
     )
 
 

@@ -21,7 +21,8 @@ Theory of operation:
 4. A scale is the ``ScalingMachine``'s script: the world performs its actions and
    feeds the machine when each part is done (new ranks ready at once; the drain done
    when no request of a leaving rank is left, or aborted by a drain timeout the
-   client may fire at any moment; the pause and the switch answered by every rank;
+   client may fire at any moment, once a drain as the engine's timer does; the pause
+   and the switch answered by every rank;
    the coordinator's publication of the new size). When it finishes, each party must
    have done its own part: the leaving ranks shut down, every other rank in the new
    group (``scale_roles``).
@@ -722,10 +723,10 @@ class World:
         target = self.scaler.target_dp_size or 0
         if phase == "DRAINING":
             leaving = range(target, client.group)
-            if client.unfinished_on(leaving):
-                moves.append(("drain_timeout",))
-            else:
+            if not client.unfinished_on(leaving):
                 moves.append(("scale_next",))
+            elif not client.drain_timed_out:
+                moves.append(("drain_timeout",))
         elif (phase in ("PAUSING", "LEAVING", "SWITCHING") and not client.awaiting) or (
             phase == "RESIZING" and client.published_size == target
         ):
@@ -742,7 +743,10 @@ class World:
                 ids = self.client.unfinished_on(range(r, r + 1))
                 if ids:
                     self.network.send(CLIENT, r, ("abort", ids))
+            self.client = replace(self.client, drain_timed_out=True)
             return
+        if self.scaler.phase.name == "DRAINING":
+            self.client = replace(self.client, drain_timed_out=False)  # the drain is over
         event = {
             "DRAINING": Drained(),
             "PAUSING": RanksPaused(),

@@ -97,7 +97,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for index in range(len(tokens) // size):
             block = table[index]
             if self.manager.is_cached(block):  # registered by anyone
-                self.contents.setdefault(block, tuple(tokens[index * size : (index + 1) * size]))
+                # What this table computed into it: a shared block holds the same tokens,
+                # and a block the append took from the cache (evicting it) holds these
+                # now, though the invariant never saw it uncached in between.
+                self.contents[block] = tuple(tokens[index * size : (index + 1) * size])
 
     @rule(key=consumes(tables), check_reuse=st.booleans())
     def free(self, key: int, check_reuse: bool) -> None:
