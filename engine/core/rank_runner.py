@@ -404,7 +404,8 @@ class RankRunner:
             f"rank {self.rank} could not join the new group of {action.dp_size} ranks "
             f"({type(error).__name__}: {error}); it stays in its old group",
         )
-        return action.dp_size if self._group is None else self._group.size
+        # Out of a broken group (none left), its own size stays what it was.
+        return self.loop.machine.dp_size if self._group is None else self._group.size
 
     async def _sleep(self, pending: Sleep) -> None:
         if "kv_cache" in pending.tags:

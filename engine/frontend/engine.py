@@ -123,6 +123,9 @@ class FrontEnd:
         self._dp_size = core.dp_size
         self._streams: dict[str, RequestStream] = {}
         self._owner: dict[str, int] = {}
+        # A request sent again after its rank was lost travels under a new id (the
+        # caller's id -> it): the lost rank's last outputs may still be on their way.
+        self._resent_as: dict[str, str] = {}
         self._held: dict[str, str] = {}
         self._calls: dict[int, _Call] = {}
         self._call_ids = itertools.count()
@@ -182,7 +185,7 @@ class FrontEnd:
         self._check_open()
         params = params if params is not None else SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(_request_numbers)}"
-        if request_id in self._streams:
+        if request_id in self._streams or request_id in self._resent_as:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         routable = self._balancer.dp_size  # smaller while a scale down drains
         if dp_rank is not None and (
@@ -223,10 +226,11 @@ class FrontEnd:
 
     async def abort(self, request_id: str) -> None:
         self._check_open()
-        rank = self._owner.get(request_id)
+        sent_as = self._resent_as.get(request_id, request_id)
+        rank = self._owner.get(sent_as)
         if rank is None:
             raise UnknownRequestError(f"no request {request_id!r} in flight")
-        await self._send(rank, m.AbortRequests(request_ids=(request_id,)))
+        await self._send(rank, m.AbortRequests(request_ids=(sent_as,)))
 
     # -- pause, sleep, wake ------------------------------------------------------------
 
@@ -497,15 +501,22 @@ class FrontEnd:
         self._balancer.inflight = inflight
         for request_id in again:
             # No output yet: sent again whole, once (it may be what broke its rank), so
-            # its caller sees one exact answer.
-            stream = self._streams[request_id]
+            # its caller sees one exact answer. Under a new id, so that what the lost
+            # rank produced before it died and is still on its way finds no stream.
+            stream = self._streams.pop(request_id)
+            del self._owner[request_id]
             stream.resent = True
+            sent_as = request_id + "\x00"
+            while sent_as in self._streams or sent_as in self._resent_as:
+                sent_as += "\x00"
+            self._resent_as[request_id] = sent_as
+            self._streams[sent_as] = stream
             request = stream.request
             rank = self._balancer.pick()
-            self._owner[request_id] = rank
+            self._owner[sent_as] = rank
             self._requests_per_rank[rank] += 1
             message = m.AddRequest(
-                request_id=request_id,
+                request_id=sent_as,
                 prompt_token_ids=request.prompt_token_ids,
                 params=request.params,
                 wave=self._wave,
@@ -616,7 +627,10 @@ class FrontEnd:
             if self._held:
                 self._held.pop(request_id, None)
             update = _request_update(
-                request_id, new_tokens, finished.get(request_id), logprobs.get(request_id, ())
+                stream.request_id,  # the caller's (a request sent again travels under another)
+                new_tokens,
+                finished.get(request_id),
+                logprobs.get(request_id, ()),
             )
             if stream.process(update, version):
                 self._post(self._owner[request_id], m.StopRequests(request_ids=(request_id,)))
@@ -649,7 +663,8 @@ class FrontEnd:
     # -- bookkeeping -------------------------------------------------------------------
 
     def _finished(self, request_id: str) -> None:
-        del self._streams[request_id]
+        stream = self._streams.pop(request_id)
+        self._resent_as.pop(stream.request_id, None)
         self._held.pop(request_id, None)
         self._count_finished(self._owner.pop(request_id))
 
@@ -661,6 +676,7 @@ class FrontEnd:
 
     def _forget(self, request_id: str) -> None:
         """The consumer left early: abort the request on its rank."""
+        request_id = self._resent_as.pop(request_id, request_id)
         self._streams.pop(request_id, None)
         self._held.pop(request_id, None)
         rank = self._owner.pop(request_id, None)
@@ -687,6 +703,7 @@ class FrontEnd:
             stream.fail(error)
         self._streams.clear()
         self._owner.clear()
+        self._resent_as.clear()
         for call in self._calls.values():
             call.done.set()
         self._calls.clear()

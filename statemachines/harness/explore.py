@@ -22,7 +22,7 @@ Theory of operation:
 7. With ``reduction="por"`` (the default) a state where one rank's moves stand for
    every interleaving expands only those, unless one of them leads back to a state
    first reached at the same or a lower level, or (in a survey) violates; and the
-   messages the coordinator would ignore whenever they arrive are dropped after every
+   messages their receivers would ignore whenever they arrive are dropped after every
    move. ``por`` explains why neither hides a violation. A machine that breaks a
    premise of the reduction (``ReductionError``) is searched again without it.
 """
@@ -77,9 +77,9 @@ def default_configs(dp_size: int, sync_interval: int = 1) -> tuple[tuple[str, Ex
     """The configurations the command line explores, every one with votes every
     ``sync_interval`` steps.
 
-    Each is explored to its end at dp_size 2 and 3 but the scales with a request at
-    dp 2 and the rank deaths at dp 3, whose counters keep growing (the largest at
-    dp 3 holds about 180,000 states, a minute on 2 cores).
+    Each is explored to its end at dp_size 2 and 3 but the scale up and back down with
+    a rank's death at dp 3, which goes on past depth 60; the largest at dp 3 holds
+    about 180,000 states, a minute on 2 cores.
     """
     return tuple(
         (name, replace(config, world=replace(config.world, sync_interval=sync_interval)))

@@ -61,7 +61,10 @@ def _deadline_shifts(
         return True
     wave = client.pause_deadline[0]
     return all(
-        loops[r][0].running and loops[r][0].wave == wave and toys[r].forwards_wave == wave
+        r < len(loops)
+        and loops[r][0].running
+        and loops[r][0].wave == wave
+        and toys[r].forwards_wave == wave
         for r in client.awaiting
     )
 

@@ -163,3 +163,54 @@ async def test_an_abort_during_a_lockstep_ranks_step_wins_over_its_output() -> N
     tokens, reason = outputs.tokens("r")
     assert reason == "abort"
     assert len(tokens) == steps_before
+
+
+class BreakableGroup(OneRankGroup):
+    """A group of one that can be given up (``abort``) when it breaks."""
+
+    size = 1
+
+    def abort(self) -> None:
+        pass
+
+
+def join_that_fails(**_: object) -> tuple[None, tuple[bool, int, int]]:
+    raise TimeoutError("a member never joined the new group")
+
+
+async def test_a_rank_out_of_a_broken_group_keeps_its_size_when_the_next_group_fails() -> None:
+    # Rank 0 of two leaves its broken group, then the shrink's group of one does not
+    # form: it stays in its own group of two, as the explored model's failed join does
+    # (its answer carries the error, and the client shrinks or rolls back from there).
+    machine = RankMachine(0, 2, sync_interval=4, lockstep=True)
+    outputs = Outputs()
+    to_rank, inbox = anyio.create_memory_object_stream[Any](math.inf)
+
+    async def answer(call_id: int) -> m.UtilityResult:
+        while True:
+            for message in outputs.messages:
+                if isinstance(message, m.UtilityResult) and message.call_id == call_id:
+                    return message
+            await outputs.arrived.wait()
+
+    with anyio.fail_after(HANG_GUARD), ModelThread() as thread:
+        runner = RankRunner(
+            core=core_with(ControlledExecutor()),
+            machine=machine,
+            model_thread=thread,
+            group=BreakableGroup(),
+            outputs=outputs,
+            coordinator=None,
+            on_invalid=pytest.fail,
+            join_group=join_that_fails,
+            survive_lost_group=True,
+        )
+        async with to_rank, inbox, anyio.create_task_group() as tg:
+            tg.start_soon(runner.run, inbox)
+            await to_rank.send(m.LeaveGroup(call_id=1, rank=0))
+            assert (await answer(1)).error is None
+            await to_rank.send(m.SwitchGroup(call_id=2, dp_size=1, group_prefix="shrunk"))
+            switched = await answer(2)
+            await to_rank.send(Shutdown())
+    assert switched.error is not None and "could not join the new group of 1" in switched.error
+    assert machine.dp_size == 2
