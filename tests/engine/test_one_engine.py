@@ -208,7 +208,10 @@ async def test_sleep_at_each_level_in_each_mode(
     assert not await engine.is_sleeping() and not await engine.is_paused()
     assert tokens(late) == expected("while asleep", 3)
     if mode is PauseMode.ABORT:
-        assert deltas[-1].finish_reason == "abort"
+        # Aborted where it ran, unless its rank finished it before the sleep reached it
+        # (a loaded machine can hold this task back that long).
+        finished = deltas[-1].finish_reason == "length" and tokens(deltas) == expected(name, 40)
+        assert deltas[-1].finish_reason == "abort" or finished
     else:
         # Kept (or drained) requests are recomputed after a sleep dropped their KV cache.
         assert tokens(deltas) == expected(name, 40)
