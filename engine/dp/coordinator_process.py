@@ -96,14 +96,17 @@ async def _run_coordinator(handshake_address: str, dp_size: int, listen_base: st
         if not reply.accepted:
             return
         relay = CoordinatorRelay(CoordinatorMachine(dp_size), pub, invalid)
+        counted = 0  # the newest ExpectEnds counted: the scaler sends it again until answered
         async with anyio.create_task_group() as tg:
             tg.start_soon(relay.publish_periodically)
             try:
                 async for message in inputs:
                     if isinstance(message, m.ExpectEnds):
-                        inputs.expect_more_end_of_streams(message.markers)  # ranks a scale adds
-                        answer = m.EndsExpected(token=message.token)
-                        await pub.publish(m.SCALE_TOPIC, answer)
+                        if message.token > counted:
+                            inputs.expect_more_end_of_streams(message.markers)  # a scale's ranks
+                            counted = message.token
+                        # Over PUB, which drops frames for a slow subscriber.
+                        await pub.publish(m.SCALE_TOPIC, m.EndsExpected(token=message.token))
                     else:
                         await relay.receive(message)
             except anyio.EndOfStream:

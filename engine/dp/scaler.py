@@ -113,6 +113,10 @@ from wavecore.statemachines import (
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
+# How long the scaler waits for the coordinator's count of new senders before it asks
+# again (the answer may be dropped; a count takes milliseconds).
+_ENDS_EXPECTED_RETRY_S = 1.0
+
 
 class Scaler:
     """The engine's side of elastic scaling; see the module docstring."""
@@ -605,9 +609,14 @@ class Scaler:
         wiring.outputs.expect_more_end_of_streams(ranks)
         self._ends_token += 1
         self._ends_expected = anyio.Event()
-        await wiring.to_coordinator.send(m.ExpectEnds(markers=ranks, token=self._ends_token))
+        expect = m.ExpectEnds(markers=ranks, token=self._ends_token)
         with _within(self._config.startup_timeout, "the coordinator's count of new senders"):
-            await self._ends_expected.wait()
+            # The answer comes over PUB, which drops frames for a slow subscriber: ask
+            # again until it arrives (the coordinator counts each token once).
+            while not self._ends_expected.is_set():
+                await wiring.to_coordinator.send(expect)
+                with anyio.move_on_after(_ENDS_EXPECTED_RETRY_S):
+                    await self._ends_expected.wait()
 
     def on_ends_expected(self, token: int) -> None:
         if token == self._ends_token:
