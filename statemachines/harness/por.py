@@ -123,10 +123,12 @@ from __future__ import annotations
 
 from functools import partial
 
+from ..coordinator import CoordinatorMachine
 from ..errors import ProtocolError
 from ..rank import (
     JoinGroup,
     PauseMode,
+    RankMachine,
     RankSnapshot,
     ResumeBarrier,
     ResumeRequested,
@@ -216,17 +218,11 @@ def _deaf_to_broadcasts(world: World, r: int, *, quiet: bool) -> bool:
     wave = machine.wave
     if (world.toys[r].votes and not quiet) or _newest_wave(world) > wave:
         return False
-    before = machine.snapshot()
-    for old in range(wave + 1):
-        for exclude in range(len(world.loops)):
-            probe = machine.copy()
-            try:
-                actions = probe.handle(StartWave(wave=old, exclude_rank=exclude))
-            except ProtocolError:
-                return False
-            if actions or probe.snapshot() != before:
-                return False
-    return True
+    return all(
+        _changes_nothing(machine, StartWave(wave=old, exclude_rank=exclude))
+        for old in range(wave + 1)
+        for exclude in range(len(world.loops))
+    )
 
 
 def _requests_in_flight(world: World) -> bool:
@@ -315,12 +311,7 @@ def _inert(world: World, message: Message) -> bool:
         or (kind == "wave_complete" and message[1] < coordinator.wave)  # type: ignore[operator]
     ):
         return False
-    probe = coordinator.copy()
-    try:
-        actions = probe.handle(coordinator_event(message))
-    except ProtocolError:
-        return False  # left for the search to report
-    return not actions and probe.snapshot() == coordinator.snapshot()
+    return _changes_nothing(coordinator, coordinator_event(message))
 
 
 def _ignored_by(world: World, r: int, message: Message) -> bool:
@@ -331,9 +322,15 @@ def _ignored_by(world: World, r: int, message: Message) -> bool:
         return False
     if isinstance(loop.pending, WaitForInput):
         return _wakes_for_nothing(world, r, message)
+    return _changes_nothing(machine, StartWave(wave=message[1], exclude_rank=message[2]))  # type: ignore[arg-type]
+
+
+def _changes_nothing(machine: RankMachine | CoordinatorMachine, event: object) -> bool:
+    """Whether a copy of ``machine`` fed ``event`` changes nothing and does nothing (a
+    refusal is left for the search to report)."""
     probe = machine.copy()
     try:
-        actions = probe.handle(StartWave(wave=message[1], exclude_rank=message[2]))  # type: ignore[arg-type]
+        actions = probe.handle(event)
     except ProtocolError:
         return False
     return not actions and probe.snapshot() == machine.snapshot()

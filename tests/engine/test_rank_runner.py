@@ -67,6 +67,14 @@ class Outputs:
     async def flush(self) -> None:
         pass
 
+    async def answer(self, call_id: int) -> m.UtilityResult:
+        """The reply to call `call_id`, once it came."""
+        while True:
+            for message in self.messages:
+                if isinstance(message, m.UtilityResult) and message.call_id == call_id:
+                    return message
+            await self.arrived.wait()
+
     def tokens(self, request_id: str) -> tuple[list[int], str | None]:
         tokens: list[int] = []
         reason = None
@@ -83,9 +91,10 @@ class Outputs:
 
 @asynccontextmanager
 async def rank_serving(
-    core: EngineCore, machine: RankMachine
+    core: EngineCore, machine: RankMachine, group: Any = None, **options: Any
 ) -> AsyncIterator[tuple[MemoryObjectSendStream[Any], Outputs]]:
-    """`core` served by a rank runner for the block: its input stream and its outputs."""
+    """`core` served by a rank runner for the block (in `group`, a group of one unless
+    said, with the runner's other `options`): its input stream and its outputs."""
     outputs = Outputs()
     to_rank, inbox = anyio.create_memory_object_stream[Any](math.inf)
     with ModelThread() as thread:
@@ -93,10 +102,11 @@ async def rank_serving(
             core=core,
             machine=machine,
             model_thread=thread,
-            group=OneRankGroup(),
+            group=OneRankGroup() if group is None else group,
             outputs=outputs,
             coordinator=None,
             on_invalid=pytest.fail,
+            **options,
         )
         async with to_rank, inbox, anyio.create_task_group() as tg:
             tg.start_soon(runner.run, inbox)
@@ -183,34 +193,18 @@ async def test_a_rank_out_of_a_broken_group_keeps_its_size_when_the_next_group_f
     # form: it stays in its own group of two, as the explored model's failed join does
     # (its answer carries the error, and the client shrinks or rolls back from there).
     machine = RankMachine(0, 2, sync_interval=4, lockstep=True)
-    outputs = Outputs()
-    to_rank, inbox = anyio.create_memory_object_stream[Any](math.inf)
-
-    async def answer(call_id: int) -> m.UtilityResult:
-        while True:
-            for message in outputs.messages:
-                if isinstance(message, m.UtilityResult) and message.call_id == call_id:
-                    return message
-            await outputs.arrived.wait()
-
-    with anyio.fail_after(HANG_GUARD), ModelThread() as thread:
-        runner = RankRunner(
-            core=core_with(ControlledExecutor()),
-            machine=machine,
-            model_thread=thread,
-            group=BreakableGroup(),
-            outputs=outputs,
-            coordinator=None,
-            on_invalid=pytest.fail,
-            join_group=join_that_fails,
-            survive_lost_group=True,
-        )
-        async with to_rank, inbox, anyio.create_task_group() as tg:
-            tg.start_soon(runner.run, inbox)
+    serving = rank_serving(
+        core_with(ControlledExecutor()),
+        machine,
+        BreakableGroup(),
+        join_group=join_that_fails,
+        survive_lost_group=True,
+    )
+    with anyio.fail_after(HANG_GUARD):
+        async with serving as (to_rank, outputs):
             await to_rank.send(m.LeaveGroup(call_id=1, rank=0))
-            assert (await answer(1)).error is None
+            assert (await outputs.answer(1)).error is None
             await to_rank.send(m.SwitchGroup(call_id=2, dp_size=1, group_prefix="shrunk"))
-            switched = await answer(2)
-            await to_rank.send(Shutdown())
+            switched = await outputs.answer(2)
     assert switched.error is not None and "could not join the new group of 1" in switched.error
     assert machine.dp_size == 2
