@@ -43,6 +43,11 @@ class EngineConfig:
     (the default) fails every request with `EngineDeadError`; "shrink" ends only the
     lost rank's requests (finish reason "error"; those with no output yet go to a
     survivor) and the survivors form a smaller group and keep serving.
+    `restart_ranks=True` (with "shrink") then scales back to the size the engine had
+    before the loss, starting replacement ranks on this machine through the same scale
+    up a caller's `scale` performs; a restart that cannot happen (paused, asleep,
+    weights updated, a scale running, or it fails) is logged and the engine serves on
+    at the smaller size.
     `heartbeat_interval` and `heartbeat_timeout` (seconds): the front end and every rank
     send each other a heartbeat each interval (`engine/dp/heartbeat.py`); a rank silent
     for the timeout (stopped, hung, unreachable) is lost as if it had died, and a
@@ -87,6 +92,7 @@ class EngineConfig:
     on_rank_failure: RankFailurePolicy = "fail"
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
+    restart_ranks: bool = False
 
     def __post_init__(self) -> None:
         if self.executor not in ("model", "null"):
@@ -110,6 +116,15 @@ class EngineConfig:
             raise ValueError(
                 "EngineConfig.on_rank_failure must be 'shrink' or 'fail', "
                 f"got {self.on_rank_failure!r}"
+            )
+        if not isinstance(self.restart_ranks, bool):
+            raise ValueError(
+                f"EngineConfig.restart_ranks must be a bool, got {self.restart_ranks!r}"
+            )
+        if self.restart_ranks and self.on_rank_failure != "shrink":
+            raise ValueError(
+                "EngineConfig.restart_ranks needs on_rank_failure='shrink' (with 'fail' a "
+                "lost rank ends the engine: there is nothing to restart into)"
             )
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(

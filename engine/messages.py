@@ -56,6 +56,10 @@ class RankAssignment:
     store_port: int
     group_prefix: str
     collective_timeout_s: float
+    # The client's name for this rank process, unique for the engine's lifetime: a
+    # shrink renumbers the ranks, a member keeps its id (its beats and failures carry
+    # it, so the client can tell a rank it dropped from the one now holding its number).
+    member: int
     # A rank started by a scale up: it starts paused (KEEP) and joins no group until
     # the commit's `SwitchGroup`.
     joining: bool = False
@@ -206,6 +210,7 @@ class RankFailed:
     rank: int
     error: str
     in_collective: bool = False
+    member: int = 0  # `RankAssignment.member` (a rank in the front end's process: 0)
 
 
 @_message(30627)
@@ -215,6 +220,7 @@ class RankAlive:
     its event loop whatever its model thread is doing."""
 
     rank: int
+    member: int  # `RankAssignment.member`
 
 
 # -- coordinator traffic ----------------------------------------------------------------

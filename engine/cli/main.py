@@ -47,6 +47,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             async_scheduling=args.async_scheduling,
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_timeout=args.heartbeat_timeout,
+            restart_ranks=getattr(args, "restart_ranks", False),
             # Ranks started elsewhere connect over tcp; the transport is not hashed.
             transport="tcp" if getattr(args, "dp_master", None) else "ipc",
         )
@@ -239,15 +240,15 @@ def _open_engine(
 
 
 def cmd_rank(args: argparse.Namespace) -> int:
-    """Run one headless rank that joins the front end at `--master`; ends with it (exit
-    code 3 when the front end went silent for --heartbeat-timeout)."""
+    """Run one headless rank that joins the front end at `--master`; ends the process
+    with it (exit code 3 when the front end went silent for --heartbeat-timeout)."""
     from wavecore.engine.core.engine_core import EngineCore
     from wavecore.engine.dp.rank_process import rank_main
 
     if not 0 <= args.dp_rank < args.dp:
         raise UsageError(f"--dp-rank {args.dp_rank} is outside --dp-size {args.dp}")
     config = _engine_config(args)
-    return rank_main(f"tcp://{args.master}", args.dp_rank, config, EngineCore.from_config)
+    rank_main(f"tcp://{args.master}", args.dp_rank, config, EngineCore.from_config)
 
 
 def summary_table(summary: RunSummary, rank_counts: Sequence[int] = ()) -> Table:
@@ -390,6 +391,11 @@ def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGro
     engine.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     engine.add_argument("--dp", type=int, default=1, help="data-parallel ranks (processes)")
     engine.add_argument("--dp-mode", choices=["lockstep", "independent"], default="lockstep")
+    engine.add_argument(
+        "--restart-ranks",
+        action="store_true",
+        help="with --on-rank-failure shrink: start replacements for lost ranks here",
+    )
     _add_rank_behaviour_flags(engine)
     return engine
 

@@ -27,6 +27,9 @@ Theory of operation:
 7. With `async_scheduling` a `RunStep` is answered by the `BatchQueue`
    (`core.batch_queue`), which keeps one step in flight ahead of the loop; it is
    drained before anything else runs or the runner blocks for input.
+8. A collective blocked on a peer the client dropped fails as soon as the client's
+   `LeaveGroup`, or the end of the rank's input, reaches the rank, not after
+   collective_timeout (`interrupt_collective`).
 """
 
 from __future__ import annotations
@@ -131,8 +134,10 @@ class RankRunner:
         on_invalid: Callable[[object], None],
         join_group: GroupJoiner | None = None,
         survive_lost_group: bool = False,
+        member: int = 0,
     ) -> None:
         self.core = core
+        self._member = member
         self.loop = RankLoop(machine)
         self.rank = machine.rank
         self._thread = model_thread
@@ -191,6 +196,7 @@ class RankRunner:
                 rank=self.rank,
                 error=f"rank {self.rank} (pid {os.getpid()}) failed: {detail}",
                 in_collective=isinstance(error, CollectiveFailed),
+                member=self._member,
             )
             await self._flush()
             await self._outputs.send(failure)
@@ -211,10 +217,25 @@ class RankRunner:
                 error=f"rank {self.rank} (pid {os.getpid()}) left its broken DP group: "
                 f"{type(cause).__name__}: {cause}",
                 in_collective=True,
+                member=self._member,
             )
         )
         self.loop.group_lost(self._effects)
         await self._flush()
+
+    async def interrupt_collective(self) -> None:
+        """Rule 8: this rank is leaving its group (a `LeaveGroup` is on its way to the
+        inbox, or the client closed its input), and the channel's reader calls this as
+        the news passes. A collective the rank is blocked in waits on the model thread,
+        not reading the inbox, for a peer that may be gone for good: a stopped headless
+        peer, which the client cannot kill to break it, would hold it for the whole
+        collective_timeout. Aborting the group now makes it fail at once; the group
+        object stays until the message itself is handled, so a collective started
+        meanwhile fails too, and nothing finds the group missing."""
+        group = self._group
+        if group is not None:
+            with anyio.move_on_after(_ABORT_BOUND_S):
+                await anyio.to_thread.run_sync(group.abort, abandon_on_cancel=True)
 
     async def _abandon_group(self) -> None:
         """Close the broken group's connections, so that a peer waiting in one of its

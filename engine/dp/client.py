@@ -15,26 +15,40 @@ Theory of operation:
 4. With `on_rank_failure="shrink"` a rank's loss is not the engine's death: a rank
    process that exits, a rank whose loop failed, or the rank that a survivor's broken
    collective points at (`root_cause`: dead, else stopped) is lost, and the scaler
-   shrinks the group around it (`Scaler.shrink`). Losses are taken one at a time by
-   one task (`_serve_losses`); a survivor's report of a broken collective that a
-   shrink started since explains is dropped. A loss while a scale or a shrink runs
-   goes to that reconfiguration, which goes on without the rank (`Scaler.take_loss`).
-   The engine still dies where a shrink cannot help: the coordinator's death, the
-   last rank's, an unexplained broken collective, a loss while paused, asleep or
-   updating weights, or a reconfiguration that leaves nothing to serve.
+   shrinks the group around it (`Scaler.shrink`). A loss names the rank's member id
+   (`DPWiring.members`), which a shrink's renumbering keeps, and which a headless
+   rank, with no process here, has too. Losses are taken one at a time by one task
+   (`serve_losses`); a survivor's report of a broken collective that a shrink started
+   since explains is dropped, and so is one whose cause turns out to be a member lost
+   meanwhile: a headless peer's death shows only as its silence (rule 5), so a report
+   waits for it up to `heartbeat_timeout`, not the moments a local exit takes. A loss
+   while a scale or a shrink runs goes to that reconfiguration, which goes on without
+   the rank (`Scaler.take_loss`). The engine still dies where a shrink cannot help:
+   the coordinator's death, the last rank's, an unexplained broken collective, a loss
+   while paused, asleep or updating weights, or a reconfiguration that leaves nothing
+   to serve.
 5. Heartbeats (`heartbeat`): every message from a rank shows it alive; a rank silent
    for `heartbeat_timeout` (stopped, hung, unreachable: no exit to see) is lost as a
    dead one is, through rule 4 or the engine's death. No rank is judged while a scale
    or a shrink renumbers them.
+6. A dropped rank spawned here is killed; a headless one cannot be, and may come back
+   (stopped, then continued) to report its broken group under its old number, which
+   names a survivor now. Beats and failures carry the sender's member id, and those of
+   a dropped member are ignored; the dropped rank reads the end of its input and
+   exits, or exits when its front end falls silent.
+7. With `restart_ranks`, a shrink that succeeded is followed by a scale back to the
+   size before it: replacement ranks start here, through the scale up a caller's
+   `scale` performs (the same checks, the same rollback). A restart that is refused or
+   fails leaves the engine serving at the smaller size, and says why in the log.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import anyio
@@ -49,10 +63,17 @@ from wavecore.engine.dp.launcher import COORDINATOR, DPWiring, open_dp_processes
 from wavecore.engine.dp.process_state import is_stopped
 from wavecore.engine.dp.rank_process import BuildCore
 from wavecore.engine.dp.scaler import Scaler
-from wavecore.engine.errors import EngineDeadError, ScalingFailedError
+from wavecore.engine.errors import (
+    EngineDeadError,
+    ScalingFailedError,
+    ScalingInProgressError,
+    ScalingRefusedError,
+)
 from wavecore.engine.frontend.core_client import ScaleHost
 from wavecore.engine.request import PromptTokenizer
 from wavecore.engine.weight_messages import RankReply
+
+logger = logging.getLogger("wavecore.engine.dp")
 
 _OUTPUTS = (m.StepOutputs, m.UtilityResult, m.RequestsHeld, m.RankFailed, RankReply)
 _SIGNS_OF_LIFE = (*_OUTPUTS, m.RankAlive)
@@ -66,11 +87,12 @@ _PEER_EXIT_GRACE = 2.0
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Loss:
-    """A rank process that is gone (`process`), or a survivor's broken collective
-    (`report`, received when `shrinks` shrinks had started) whose cause is to be found."""
+    """A rank that is gone (`member`, `DPWiring.members`), or a survivor's broken
+    collective (`report`, received when `shrinks` shrinks had started) whose cause is to
+    be found."""
 
     cause: str
-    process: BaseProcess | None = None
+    member: int | None = None
     report: m.RankFailed | None = None
     shrinks: int = 0
     # Its requests without output go to a survivor, unless the rank's own loop failed:
@@ -86,7 +108,7 @@ class DPClient:
         self.wiring = wiring
         self._tokenizer = tokenizer
         self._on_death: Callable[[EngineDeadError], None] | None = None
-        self._exited = anyio.Event()
+        self._news = anyio.Event()
         self._closed = False
         self.scaler = Scaler(config, wiring)
         self._host: ScaleHost | None = None
@@ -97,6 +119,10 @@ class DPClient:
         # `shrunk` is set (and replaced) as each shrink ends.
         self.shrink_seconds: list[float] = []
         self.shrunk = anyio.Event()
+        # With `restart_ranks`: each restart's outcome; `restarted` is set (and
+        # replaced) as each ends.
+        self.restarts: list[str] = []
+        self.restarted = anyio.Event()
         self.heartbeats = RankHeartbeats(config.heartbeat_interval, config.heartbeat_timeout)
 
     @property
@@ -134,28 +160,34 @@ class DPClient:
         return self.config.on_rank_failure == "shrink"
 
     def process_exited(self, name: str, exitcode: int | None) -> None:
-        self._exited.set()
-        self._exited = anyio.Event()
+        self._tell_news()
         cause = f"{name} died ({describe_exit(exitcode)})"
         if self.shrinks and name != COORDINATOR:
             process = self.wiring.processes.get(name)
             if process is not None and not process.is_alive():  # not lost already
-                self._lose(_Loss(cause=cause, process=process))
+                member = self.wiring.member_of(process)
+                if member is not None:
+                    self._lose(_Loss(cause=cause, member=member))
             return
         self._die(EngineDeadError(cause))
 
     def rank_silent(self, rank: int, seconds: float) -> None:
         """Rule 5: a rank that sent nothing for `seconds` is lost as a dead one."""
         cause = f"rank {rank} sent no heartbeat for {seconds:.1f} s (stopped, hung, or unreachable)"
-        process = self.wiring.processes.get(process_name(rank))
-        if self.shrinks and process is not None:
-            self._lose(_Loss(cause=cause, process=process))
+        if self.shrinks:
+            self._lose(_Loss(cause=cause, member=self.wiring.members[rank]))
             return
         self._die(EngineDeadError(cause))
 
     def _lose(self, loss: _Loss) -> None:
         self._losses.append(loss)
         self._loss_arrived.set()
+        self._tell_news()
+
+    def _tell_news(self) -> None:
+        """A process exited or a loss arrived: what a cause is looked for in changed."""
+        self._news.set()
+        self._news = anyio.Event()
 
     def _die(self, error: EngineDeadError) -> None:
         if not self._closed and self._on_death is not None:
@@ -170,14 +202,13 @@ class DPClient:
                     await self._loss_arrived.wait()
                     self._loss_arrived = anyio.Event()
                 loss = self._losses.popleft()
-                found = await self._lost_process(loss)
+                found = await self._lost_member(loss)
                 if found is None:
                     continue
-                rank, cause = found
-                process = self.wiring.processes[process_name(rank)]
+                member, cause = found
                 if self.scaler.active:
                     self._shrinks += 1
-                    self.scaler.take_loss(process, cause, resend=loss.resend)
+                    self.scaler.take_loss(member, cause, resend=loss.resend)
                     continue
                 host = self._host
                 refused = "one rank left" if self.dp_size == 1 else None
@@ -186,22 +217,23 @@ class DPClient:
                     self._die(EngineDeadError(f"{cause} (the group cannot shrink: {refused})"))
                     continue
                 self._shrinks += 1
-                await shrinks.start(self._shrink, host, process, cause, loss.resend)
+                await shrinks.start(self._shrink, host, member, cause, loss.resend)
 
     async def _shrink(
         self,
         host: ScaleHost,
-        process: BaseProcess,
+        member: int,
         cause: str,
         resend: bool,
         *,
         task_status: anyio.abc.TaskStatus[None],
     ) -> None:
         seen = anyio.current_time()
+        size = host.dp_size
         try:
             with self.heartbeats.suspended():
                 await self.scaler.shrink(
-                    host, process, cause, resend=resend, task_status=task_status
+                    host, member, cause, resend=resend, task_status=task_status
                 )
         except ScalingFailedError as error:
             self._die(EngineDeadError(str(error)))
@@ -209,31 +241,56 @@ class DPClient:
         self.shrink_seconds.append(anyio.current_time() - seen)
         self.shrunk.set()
         self.shrunk = anyio.Event()
+        if self.config.restart_ranks:
+            await self._restart_ranks(host, size)
 
-    async def _lost_process(self, loss: _Loss) -> tuple[int, str] | None:
-        """The current number of the rank a loss names, and why it is lost; None when it
-        is lost already (or a shrink since explains a survivor's report)."""
-        cause, process = loss.cause, loss.process
-        if loss.report is not None:
-            if self._shrinks > loss.shrinks:
+    async def _restart_ranks(self, host: ScaleHost, size: int) -> None:
+        """Rule 7: scale back to `size`, as a caller's `scale` would; what keeps it from
+        happening is logged (`restarts` keeps each outcome, `restarted` is set after)."""
+        try:
+            await host.scale(size)
+        except (ScalingRefusedError, ScalingInProgressError, ScalingFailedError) as error:
+            outcome = f"no restart to {size} ranks: {error}"
+            logger.warning("%s", outcome)
+        else:
+            outcome = f"restarted to {size} ranks"
+        self.restarts.append(outcome)
+        self.restarted.set()
+        self.restarted = anyio.Event()
+
+    async def _lost_member(self, loss: _Loss) -> tuple[int, str] | None:
+        """The member a loss names, and why it is lost; None when it is no member now
+        (lost already), or when a survivor's report is explained otherwise: by a shrink
+        started since, or by a loss that arrived while its cause was looked for."""
+        if loss.report is None:
+            member = loss.member
+            if member is None or self.wiring.number_of(member) is None:
                 return None
-            error = EngineDeadError(loss.report.error)
-            culprit = None
-            with anyio.move_on_after(_PEER_EXIT_GRACE):
-                while (culprit := self._culprit()) is None:
-                    await self._exited.wait()
-            if culprit is None:
-                self._die(error)
-                return None
-            name, what = culprit
-            cause, process = what, self.wiring.processes[name]
-        if process is None:  # a headless rank elsewhere: nothing here to shrink around
-            self._die(EngineDeadError(cause))
+            return member, loss.cause
+        if self._shrinks > loss.shrinks:
             return None
-        for name, current in self.wiring.processes.items():
-            if current is process and name.startswith("rank ") and "retired" not in name:
-                return int(name.removeprefix("rank ")), cause
-        return None
+        culprit = None
+        with anyio.move_on_after(self._cause_grace()):
+            while (culprit := self._culprit()) is None and not self._member_lost():
+                await self._news.wait()
+        if culprit is None:
+            if not self._member_lost():
+                self._die(EngineDeadError(loss.report.error))
+            return None
+        name, cause = culprit
+        member = self.wiring.member_of(self.wiring.processes[name])
+        return None if member is None else (member, cause)
+
+    def _member_lost(self) -> bool:
+        return any(loss.member is not None for loss in self._losses)
+
+    def _cause_grace(self) -> float:
+        """How long a broken collective's cause may take to show: a local peer's exit
+        shows within moments; a headless peer's death only as its silence."""
+        processes = self.wiring.processes
+        if all(process_name(rank) in processes for rank in range(len(self.wiring.members))):
+            return _PEER_EXIT_GRACE
+        return self.config.heartbeat_timeout + 2 * self.config.heartbeat_interval
 
     async def root_cause(
         self, error: EngineDeadError, *, in_collective: bool = False
@@ -244,9 +301,9 @@ class DPClient:
         reaped, so a failure out of a collective waits, briefly, for an exit to show."""
         cause = self._first_cause(error)
         if cause is error and in_collective:
-            with anyio.move_on_after(_PEER_EXIT_GRACE):
+            with anyio.move_on_after(self._cause_grace()):
                 while (cause := self._first_cause(error)) is error:
-                    await self._exited.wait()
+                    await self._news.wait()
         return cause
 
     def _first_cause(self, error: EngineDeadError) -> EngineDeadError:
@@ -283,6 +340,10 @@ class DPClient:
         invalid = self.wiring.invalid_frames[0]
         try:
             async for message in self.wiring.outputs:
+                if isinstance(message, m.RankAlive | m.RankFailed) and not self._from_member(
+                    message
+                ):
+                    continue
                 if isinstance(message, _SIGNS_OF_LIFE):
                     self.heartbeats.heard(message.rank)
                     if type(message) is m.RankAlive:
@@ -296,13 +357,21 @@ class DPClient:
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             pass
 
+    def _from_member(self, message: m.RankAlive | m.RankFailed) -> bool:
+        """Rule 6: whether the rank that sent this was not dropped (a headless rank the
+        group dropped may still run: stopped, then continued, it reports its broken
+        group under its old number, which names a survivor now)."""
+        return message.member not in self.wiring.dropped
+
     def _rank_failed(self, message: m.RankFailed) -> None:
         """Rule 4: a rank whose loop failed is lost; a survivor's broken collective is
         dropped while a shrink runs (it is that shrink's doing), else its cause is
         found and lost (or, during a scale, the engine dies as it always did)."""
         if not message.in_collective:
-            process = self.wiring.processes.get(process_name(message.rank))
-            self._lose(_Loss(cause=message.error, process=process, resend=False))
+            members = self.wiring.members
+            # A new rank not ready yet is no member: the scale watches it.
+            member = members[message.rank] if message.rank < len(members) else None
+            self._lose(_Loss(cause=message.error, member=member, resend=False))
         elif not self.scaler.shrinking:
             self._lose(_Loss(cause=message.error, report=message, shrinks=self._shrinks))
 

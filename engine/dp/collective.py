@@ -41,6 +41,16 @@ class CollectiveTimeoutError(RuntimeError):
     stopped, or gone); the message names this rank and the peers it waited for."""
 
 
+class GroupAbortedError(RuntimeError):
+    """The group was aborted (`DPGroup.abort`) while this rank waited in a collective."""
+
+
+# How often a collective's wait looks whether its group was aborted meanwhile: gloo's
+# own abort wakes no waiter, so a wait runs in slices (a collective that completes
+# returns at once, whatever the slice).
+_WAIT_SLICE = timedelta(milliseconds=100)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SyncResult:
     any_unfinished: bool
@@ -60,6 +70,7 @@ class DPGroup:
         self._options = dist.AllreduceOptions()
         self._options.reduceOp = dist.ReduceOp.MAX
         self._votes: deque[tuple[dist.Work, torch.Tensor]] = deque()
+        self._aborted = False
 
     @classmethod
     def join(
@@ -120,14 +131,18 @@ class DPGroup:
     def abort(self) -> None:
         """Close this group's connections (it broke: a peer died or is stuck), so that a
         survivor still waiting in one of its collectives fails at once, not after the
-        collective timeout."""
+        collective timeout; a collective this rank waits in (on another thread) fails
+        within a wait slice. Callable from any thread."""
+        self._aborted = True
         self._group.abort()
 
     def _wait(self, work: dist.Work, what: str) -> None:
         """Wait for a collective; gloo's own timeout error names no rank, this one says
         which rank gave up and on whom."""
         try:
-            work.wait()
+            self._wait_in_slices(work, what)
+        except GroupAbortedError:
+            raise
         except RuntimeError as error:
             # gloo says "Timed out waiting ..." when the wait itself expires, and
             # "Application timeout caused pair closure" when a pending send on the
@@ -140,6 +155,21 @@ class DPGroup:
                 f"rank {self.rank} waited {self.timeout_s:g} s (collective_timeout) in "
                 f"{what} for its peers (ranks {peers}); one of them did not join it"
             ) from error
+
+    def _wait_in_slices(self, work: dist.Work, what: str) -> None:
+        while True:
+            try:
+                work.wait(_WAIT_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    work.wait()  # it ended meanwhile: return or raise its own outcome
+                    return
+                if self._aborted:
+                    raise GroupAbortedError(
+                        f"rank {self.rank} left its DP group while waiting in {what} "
+                        "(the group was aborted: the client dropped a lost peer)"
+                    ) from None
 
     def _layout(
         self, kind: int, has_unfinished: bool, wave: int, step_counter: int, vote: bool

@@ -153,15 +153,18 @@ class FrontEndWatch:
         if self._clock is not None:
             self._clock.heard(_FRONT_END)
 
-    async def run(self, outputs: Sink, rank: Callable[[], int], serving: anyio.CancelScope) -> None:
+    async def run(
+        self, outputs: Sink, rank: Callable[[], int], member: int, serving: anyio.CancelScope
+    ) -> None:
         """Beat on `outputs` as rank `rank()` (it changes when a shrink renumbers the
-        ranks); when the front end is silent past the timeout, cancel `serving`."""
+        ranks), member `member`; when the front end is silent past the timeout, cancel
+        `serving`."""
         clock = self._clock = SilenceClock(self._interval)
         async with anyio.create_task_group() as tasks:
             beats = _Beats(tasks)
             while True:
                 now = await clock.tick()
-                beats.send(outputs, m.RankAlive(rank=rank()))
+                beats.send(outputs, m.RankAlive(rank=rank(), member=member))
                 if not self._judges or now is None:
                     continue
                 silent = clock.silent_for(_FRONT_END, now)

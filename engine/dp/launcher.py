@@ -30,13 +30,14 @@ Theory of operation:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing
 import shutil
 import socket
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -103,6 +104,26 @@ class DPWiring:
     rank_configs: Mapping[int, EngineConfig] = field(default_factory=dict)
     group_prefix: str = ""
     watcher: ProcessWatcher | None = None
+    # Every rank's member id (`RankAssignment.member`) by its current number, for the
+    # ranks spawned here and the headless ones alike: a loss names a member, since a
+    # shrink renumbers the ranks and a headless rank has no process here.
+    members: list[int] = field(default_factory=list)
+    member_ids: Iterator[int] = field(default_factory=itertools.count)
+    # Members a shrink dropped: a headless one may still be running.
+    dropped: set[int] = field(default_factory=set)
+
+    def number_of(self, member: int) -> int | None:
+        """A member's current rank number; None once it left (or before it is ready)."""
+        return self.members.index(member) if member in self.members else None
+
+    def member_of(self, process: BaseProcess) -> int | None:
+        """The member a rank process spawned here is; None for the coordinator, a
+        retired rank, or a rank a scale up is still starting."""
+        for name, current in self.processes.items():
+            if current is process and name.startswith("rank ") and "retired" not in name:
+                number = int(name.removeprefix("rank "))
+                return self.members[number] if number < len(self.members) else None
+        return None
 
 
 class _Addresses:
@@ -232,6 +253,7 @@ async def open_dp_processes(
             wiring.build_core = build_core
             wiring.rank_configs = dict(rank_configs or {})
             wiring.watcher = watcher
+            wiring.members = [next(wiring.member_ids) for _ in range(config.dp_size)]
             wiring.addresses["outputs"] = outputs.address
             wiring.addresses["rank_handshake"] = rank_rep.address
             async with anyio.create_task_group() as tg, AsyncExitStack() as late:
@@ -306,6 +328,7 @@ async def _startup(
                     dp_size=config.dp_size,
                     input_address=to_ranks[rank].address,
                     group_prefix=group_prefix,
+                    member=wiring.members[rank],
                 ),
             )
             if answered is not None:
@@ -354,6 +377,7 @@ def rank_assignment(
     dp_size: int,
     input_address: str,
     group_prefix: str,
+    member: int,
     joining: bool = False,
 ) -> m.RankAssignment:
     """Where a rank connects and which group it joins (the coordinator's addresses and
@@ -371,6 +395,7 @@ def rank_assignment(
         store_port=0 if wiring.store is None else wiring.store.port,
         group_prefix=group_prefix,
         collective_timeout_s=float(config.collective_timeout),
+        member=member,
         joining=joining,
     )
 

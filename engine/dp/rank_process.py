@@ -21,19 +21,27 @@ Theory of operation:
    (`parent_watch`); it creates nothing that outlives it, so it has nothing to remove.
 6. Heartbeats (`heartbeat`): every rank beats to the front end from its event loop; a
    headless rank, which has no parent to watch, exits when its front end goes silent
-   (`rank_main` then returns `FRONT_END_LOST_EXIT`).
+   (with `FRONT_END_LOST_EXIT`).
+7. Once the rank's loop and channels are closed, the process ends at once
+   (`os._exit`), skipping the interpreter's teardown: that teardown destroys every gloo
+   group, and the destructor of a group that broke joins gloo's worker thread, which
+   may still wait in a receive from a peer that is gone until collective_timeout
+   (seen: a dropped headless rank, continued, took a minute to exit). Nothing of the
+   rank's needs the teardown: its channels and model are closed by then.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
-from collections.abc import Callable
+import sys
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import asdict
 from multiprocessing import parent_process
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -59,9 +67,9 @@ from wavecore.statemachines import RankMachine
 BuildCore = Callable[[EngineConfig], EngineCore]
 
 
-# How a rank was reached, how long it may take to start and how far the client may scale
-# change nothing it computes.
-_DEPLOYMENT_FIELDS = frozenset({"transport", "startup_timeout", "max_dp_size"})
+# How a rank was reached, how long it may take to start, how far the client may scale
+# and whether it restarts lost ranks change nothing a rank computes.
+_DEPLOYMENT_FIELDS = frozenset({"transport", "startup_timeout", "max_dp_size", "restart_ranks"})
 
 
 def describe_config(config: EngineConfig) -> dict[str, str]:
@@ -75,9 +83,10 @@ def describe_config(config: EngineConfig) -> dict[str, str]:
 
 def rank_main(
     handshake_address: str, rank: int, config: EngineConfig, build_core: BuildCore
-) -> int:
+) -> NoReturn:
     """The spawned process's entry point (also `wavecore rank`'s, which has no parent
-    process to watch); its exit code: 0, or `FRONT_END_LOST_EXIT`."""
+    process to watch). It ends the process (rule 7), with exit code 0, or
+    `FRONT_END_LOST_EXIT`."""
     exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the client's to handle
     watch = FrontEndWatch(
@@ -86,7 +95,15 @@ def rank_main(
         judges=parent_process() is None,  # headless: no parent watch ends it
     )
     anyio.run(_run_rank, handshake_address, rank, config, build_core, watch)
-    return FRONT_END_LOST_EXIT if watch.lost else 0
+    _leave_process(FRONT_END_LOST_EXIT if watch.lost else 0)
+
+
+def _leave_process(code: int) -> NoReturn:
+    """Rule 7: flush what is buffered, then end without the interpreter's teardown."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _run_rank(
@@ -186,9 +203,10 @@ async def _run_rank(
                     on_invalid=invalid.unexpected,
                     join_group=_group_joiner(assignment) if assignment.lockstep else None,
                     survive_lost_group=config.on_rank_failure == "shrink",
+                    member=assignment.member,
                 )
                 try:
-                    await _serve(runner, inputs, waves, outputs, watch)
+                    await _serve(runner, inputs, waves, outputs, watch, assignment.member)
                 finally:
                     await model_thread.run(core.close)
 
@@ -231,12 +249,13 @@ async def _serve(
     waves: MessageReceiver,
     outputs: Sink,
     watch: FrontEndWatch,
+    member: int,
 ) -> None:
     send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=1 << 16)
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_pour, inputs, send.clone(), True, watch.heard)
+        tg.start_soon(_pour, inputs, send.clone(), True, watch.heard, runner.interrupt_collective)
         tg.start_soon(_pour, waves, send.clone(), False)
-        tg.start_soon(watch.run, outputs, lambda: runner.rank, tg.cancel_scope)
+        tg.start_soon(watch.run, outputs, lambda: runner.rank, member, tg.cancel_scope)
         send.close()
         await runner.run(receive)
         tg.cancel_scope.cancel()
@@ -247,9 +266,11 @@ async def _pour(
     inbox: MemoryObjectSendStream[Any],
     ends_rank: bool,
     heard: Callable[[], None] | None = None,
+    leaving: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Feed `channel` into the runner's inbox; `heard` is told of every message (the
-    front end's beats stop here)."""
+    front end's beats stop here), `leaving` awaited before a `LeaveGroup` or the end of
+    the rank's input goes in."""
     async with inbox:
         try:
             async for message in channel:
@@ -257,8 +278,12 @@ async def _pour(
                     heard()
                     if type(message) is m.FrontEndAlive:
                         continue
+                if leaving is not None and type(message) is m.LeaveGroup:
+                    await leaving()
                 await inbox.send(message)
         except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
             pass
         if ends_rank:
+            if leaving is not None:
+                await leaving()
             await inbox.send(Shutdown())

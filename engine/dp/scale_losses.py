@@ -2,10 +2,11 @@
 
 Theory of operation:
 
-1. A loss (`take`) names the rank's *process*, not its number: a shrink renumbers the
-   survivors, and a number taken before that would name another rank after it. The
-   number is read from the wiring only when the loss is handled (`resolve`), at a
-   point where the wiring and the `ScalingMachine` agree on the numbering.
+1. A loss (`take`) names the rank's *member* id (`DPWiring.members`), not its number: a
+   shrink renumbers the survivors, and a number taken before that would name another
+   rank after it; a headless rank has no process here to name. The number is read from
+   the wiring only when the loss is handled (`resolve`), at a point where the wiring
+   and the `ScalingMachine` agree on the numbering.
 2. Only members are taken: a rank of the group, not one a scale up is still starting
    (`joining`: the scale watches those itself and rolls back when one fails), and not
    one taken already (the same death is reported by the watcher and by every peer's
@@ -20,19 +21,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import anyio
 
 from wavecore.engine.dp.launcher import DPWiring
 
-if TYPE_CHECKING:
-    from multiprocessing.process import BaseProcess
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Loss:
-    process: BaseProcess
+    member: int
     cause: str
     # Its requests without output go to a survivor (not when its own loop failed).
     resend: bool
@@ -44,10 +41,10 @@ class LossInbox:
     def __init__(self, wiring: DPWiring) -> None:
         self._wiring = wiring
         self._pending: list[Loss] = []
-        self._taken: set[BaseProcess] = set()
+        self._taken: set[int] = set()
         self._scope: anyio.CancelScope | None = None
-        # Processes a scale up started that are not members yet (rule 2).
-        self.joining: set[BaseProcess] = set()
+        # Members a scale up started that are not in the group yet (rule 2).
+        self.joining: set[int] = set()
 
     @property
     def pending(self) -> bool:
@@ -56,9 +53,9 @@ class LossInbox:
     def take(self, loss: Loss) -> bool:
         """Rules 2 and 3: take a member's loss and cut into the batch in flight; False
         when it is no member's."""
-        process = loss.process
-        known = process in self._taken or any(p.process is process for p in self._pending)
-        if known or process in self.joining or self._number(process) is None:
+        member = loss.member
+        known = member in self._taken or any(p.member == member for p in self._pending)
+        if known or member in self.joining or self._wiring.number_of(member) is None:
             return False
         self._pending.append(loss)
         if self._scope is not None:
@@ -83,18 +80,12 @@ class LossInbox:
         taken for good."""
         lost: dict[int, Loss] = {}
         for loss in self._pending:
-            number = self._number(loss.process)
+            number = self._wiring.number_of(loss.member)
             if number is not None and number < members:
                 lost[number] = loss
-                self._taken.add(loss.process)
+                self._taken.add(loss.member)
         self._pending = []
         return lost
 
     def forget_pending(self) -> None:
         self._pending = []
-
-    def _number(self, process: BaseProcess) -> int | None:
-        for name, current in self._wiring.processes.items():
-            if current is process and name.startswith("rank ") and "retired" not in name:
-                return int(name.removeprefix("rank "))
-        return None

@@ -24,11 +24,13 @@ Theory of operation:
    phase and the cause and says the engine still serves at its old size. Where nothing
    can be rolled back the error says so.
 5. A lost rank (`on_rank_failure="shrink"`): `shrink` performs the machine's
-   `RanksLost` script. `DropRanks` kills and reaps the lost processes, renumbers the
-   survivors in the wiring (inputs, process names, the watcher) and in the front end's
-   tables (`ScaleHost.lose_ranks`) at once, before anything can be sent on; then
-   `LeaveGroup` (one call per survivor, each with its new number) and the switch of a
-   scale down. Nothing can be rolled back: a shrink that fails is the engine's death.
+   `RanksLost` script. `DropRanks` kills and reaps the lost processes (a headless one,
+   elsewhere, is only cut off: its input closes, in the background, and it leaves),
+   renumbers the survivors in the wiring (inputs, members, process names, the watcher)
+   and in the front end's tables (`ScaleHost.lose_ranks`) at once, before anything can
+   be sent on; then `LeaveGroup` (one call per survivor, each with its new number) and
+   the switch of a scale down. Nothing can be rolled back: a shrink that fails is the
+   engine's death.
 6. New ranks are watched by the scale while it runs (`_watch_new_ranks`): a death ends
    it at once, named. Once a scale up's switch succeeded they are members of the
    group and the engine's watcher takes them over (`_adopt_new_ranks`).
@@ -156,20 +158,20 @@ class Scaler:
     def shrinking(self) -> bool:
         return self._machine.active and bool(self._lost)
 
-    def take_loss(self, process: BaseProcess, cause: str, *, resend: bool) -> None:
+    def take_loss(self, member: int, cause: str, *, resend: bool) -> None:
         """Rule 7: a rank lost while a reconfiguration runs (`active`) cuts into it."""
-        self._losses.take(Loss(process=process, cause=cause, resend=resend))
+        self._losses.take(Loss(member=member, cause=cause, resend=resend))
 
     async def shrink(
         self,
         host: ScaleHost,
-        process: BaseProcess,
+        member: int,
         cause: str,
         *,
         resend: bool,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Rule 5: go on without the rank of `process` (`cause` says why it is gone; with
+        """Rule 5: go on without the rank `member` (`cause` says why it is gone; with
         `resend` its requests without output go to a survivor); `task_status` is told
         once the machine took the loss (later losses cut into this shrink, rule 7).
         Raises `ScalingFailedError` where the engine cannot go on."""
@@ -177,7 +179,7 @@ class Scaler:
         host.reconfiguring(True)
         try:
             try:
-                self._losses.take(Loss(process=process, cause=cause, resend=resend))
+                self._losses.take(Loss(member=member, cause=cause, resend=resend))
                 actions = self._take_losses(host)
             finally:
                 task_status.started()
@@ -214,13 +216,16 @@ class Scaler:
 
     def _take_silent(self, silent: RanksUnanswered) -> None:
         """Rule 7: members that did not answer a call are lost (stopped ones say so)."""
+        wiring = self._wiring
         for rank in silent.ranks:
-            process = self._wiring.processes.get(process_name(rank))
-            if process is None or process.pid is None:
-                continue  # a headless rank elsewhere: nothing here can drop it
-            stopped = " (it is stopped: SIGSTOP or a debugger)" if is_stopped(process.pid) else ""
-            loss = Loss(process=process, cause=silent.cause(rank) + stopped, resend=True)
-            self._losses.take(loss)
+            if rank >= len(wiring.members):
+                continue  # a new rank not ready yet: the scale's own failure
+            process = wiring.processes.get(process_name(rank))
+            stopped = process is not None and process.pid is not None and is_stopped(process.pid)
+            cause = silent.cause(rank) + (
+                " (it is stopped: SIGSTOP or a debugger)" if stopped else ""
+            )
+            self._losses.take(Loss(member=wiring.members[rank], cause=cause, resend=True))
 
     def _silent_member(self, silent: RanksUnanswered) -> bool:
         """Whether a member is silent (a new rank's silence is the scale's failure)."""
@@ -481,12 +486,13 @@ class Scaler:
                 daemon=True,
             )
             wiring.processes[process_name(rank)] = process
-            self._losses.joining.add(process)
             process.start()
         self._new_ranks = ranks
         if self._watches is not None:
             self._watch_scope = anyio.CancelScope()
             self._watches.start_soon(self._watch_new_ranks, ranks, self._watch_scope)
+        members = [next(wiring.member_ids) for _ in ranks]
+        self._losses.joining.update(members)
         expected = describe_config(config)
         ready: set[int] = set()
         with _within(config.startup_timeout, f"the startup of new ranks {list(ranks)}"):
@@ -503,12 +509,14 @@ class Scaler:
                         dp_size=dp_size,
                         input_address=self._starting[rank - first].address,
                         group_prefix=self._prefix(),
+                        member=members[rank - first],
                         joining=True,
                     ),
                 )
                 if answered is not None:
                     ready.add(answered.rank)
         wiring.to_ranks.extend(self._starting)
+        wiring.members.extend(members)
         self._starting = []
 
     async def _drain(
@@ -533,6 +541,8 @@ class Scaler:
         processes: dict[str, BaseProcess] = wiring.processes
         lost_senders = [wiring.to_ranks[rank] for rank in action.ranks]
         wiring.to_ranks[:] = [wiring.to_ranks[rank] for rank in action.survivors]
+        wiring.dropped.update(wiring.members[rank] for rank in action.ranks)
+        wiring.members[:] = [wiring.members[rank] for rank in action.survivors]
         wiring.dp_size = len(action.survivors)
         lost = {name: processes.pop(name, None) for name in map(process_name, action.ranks)}
         kept = [processes.pop(process_name(rank), None) for rank in action.survivors]
@@ -556,13 +566,23 @@ class Scaler:
         )
         error = f"{causes}; the engine goes on with {len(kept)} ranks"
         await host.lose_ranks(action.ranks, action.survivors, error, resend=self._resend)
+        if self._hosts is not None:
+            # In the background: closing waits out the input's linger (0.5 s) to hand
+            # the lost rank an end marker (a stopped one reads it when continued, and
+            # leaves), which would delay serving by as much.
+            self._hosts.start_soon(self._close_inputs, lost_senders)
+        else:
+            await self._close_inputs(lost_senders)
         with anyio.CancelScope(shield=True):
-            for sender in lost_senders:
+            await reap(dead, grace=0.0)
+
+    async def _close_inputs(self, senders: list[MessageSender]) -> None:
+        with anyio.CancelScope(shield=True):
+            for sender in senders:
                 await sender.aclose()
                 closed = self._sender_closed.pop(id(sender), None)
                 if closed is not None:
                     closed.set()
-            await reap(dead, grace=0.0)
 
     async def _watch_new_ranks(self, ranks: tuple[int, ...], scope: anyio.CancelScope) -> None:
         with scope:
@@ -642,6 +662,7 @@ class Scaler:
         self._new_ranks = ()
         senders = [*wiring.to_ranks[min(ranks) :], *self._starting]
         del wiring.to_ranks[min(ranks) :]
+        del wiring.members[min(ranks) :]
         self._starting = []
         names = [process_name(rank) for rank in ranks]
         processes: dict[str, BaseProcess] = wiring.processes
@@ -651,11 +672,7 @@ class Scaler:
                 if name in processes:
                     wiring.watcher.forget(processes[name])
         with anyio.CancelScope(shield=True):
-            for sender in senders:
-                await sender.aclose()
-                closed = self._sender_closed.pop(id(sender), None)
-                if closed is not None:
-                    closed.set()
+            await self._close_inputs(senders)
             stopping = {name: processes[name] for name in names if name in processes}
             await reap(stopping, grace=SHUTDOWN_GRACE_S)
             # Rank numbers are reused by a later scale up; keep each for the final reap.

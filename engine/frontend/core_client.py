@@ -109,6 +109,9 @@ class ScaleHost(Protocol):
     def reconfiguring(self, active: bool) -> None:
         """A shrink starts or ends: calls that a scale refuses are refused meanwhile."""
 
+    async def scale(self, new_dp_size: int, *, drain_timeout: float | None = None) -> None:
+        """Scale as a caller would (`Engine.scale`), with the same checks."""
+
     async def lose_ranks(
         self, lost: Collection[int], survivors: Sequence[int], error: str, *, resend: bool
     ) -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import anyio
+from anyio.abc import Process
 
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
@@ -19,6 +22,7 @@ from wavecore.engine.executors.null_executor import null_continuation
 from wavecore.engine.frontend.engine import FrontEnd
 from wavecore.engine.interface import Engine
 from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
+from wavecore.engine.sampling_params import SamplingParams
 
 HANG_GUARD = 60
 VOCAB = ByteTokenizer().vocab_size
@@ -36,12 +40,17 @@ def null_config(**overrides: Any) -> EngineConfig:
     return EngineConfig(**settings)
 
 
-def wiring_of(engine: Engine) -> DPWiring:
-    """The processes and channels behind a DP engine, for tests that kill or inspect them."""
+def client_of(engine: Engine) -> DPClient:
+    """The core client of a DP engine (its losses, shrinks and restarts)."""
     assert isinstance(engine, FrontEnd)
     client = engine.core_client
     assert isinstance(client, DPClient)
-    return client.wiring
+    return client
+
+
+def wiring_of(engine: Engine) -> DPWiring:
+    """The processes and channels behind a DP engine, for tests that kill or inspect them."""
+    return client_of(engine).wiring
 
 
 def expected_tokens(prompt: str, count: int) -> list[int]:
@@ -98,3 +107,56 @@ async def stop_for(engine: Engine, rank: int, seconds: float) -> None:
     await anyio.to_thread.run_sync(os.waitpid, pid, os.WUNTRACED)  # stopped now
     await anyio.sleep(seconds)  # how long it stays stopped: the scenario, not a guard
     os.kill(pid, signal.SIGCONT)
+
+
+async def start_headless_rank(address: str, rank: int, dp_size: int, *flags: str) -> Process:
+    """`wavecore rank` in a process of its own, joining the front end listening at
+    `address` as `rank` of `dp_size`, with these command-line flags."""
+    argv = ["rank", "--dp-rank", str(rank), "--dp-size", str(dp_size), "--master"]
+    argv += [address.removeprefix("tcp://"), *flags]
+    code = f"import sys; from wavecore.engine.cli.main import main; sys.exit(main({argv!r}))"
+    return await anyio.open_process([sys.executable, "-c", code], stdout=None)
+
+
+LOAD_TOKENS = 400  # long enough for a request to be in flight when its rank is lost
+
+
+async def load_then(
+    engine: Engine, ranks: range, fault: Callable[[], object]
+) -> dict[str, list[Any]]:
+    """Two requests pinned to each rank (LOAD_TOKENS each); once every rank streams,
+    `fault()` runs. Returns each request's deltas, by prompt."""
+    deltas: dict[str, list[Any]] = {}
+    streaming = {rank: anyio.Event() for rank in ranks}
+
+    async def run(rank: int, prompt: str) -> None:
+        deltas[prompt] = []
+        params = SamplingParams(max_tokens=LOAD_TOKENS)
+        async for delta in engine.generate(prompt, params, dp_rank=rank):
+            deltas[prompt].append(delta)
+            streaming[rank].set()
+
+    async with anyio.create_task_group() as tg:
+        for rank in ranks:
+            for index in range(2):
+                tg.start_soon(run, rank, f"rank {rank} request {index}")
+        for event in streaming.values():
+            await event.wait()
+        fault()
+    return deltas
+
+
+def check_rank_1_lost(deltas: dict[str, list[Any]], error: str) -> None:
+    """Rank 1 was lost under `load_then`: a request of its that had streamed ends with
+    `error`, one that had not was sent again whole; every other request finishes
+    exactly."""
+    errors = 0
+    for prompt, stream in deltas.items():
+        last = stream[-1]
+        if prompt.startswith("rank 1") and last.finish_reason == "error":
+            assert error in last.error
+            errors += 1
+        else:
+            assert last.finish_reason == "length" and last.error is None
+            assert tokens_of(stream) == expected_tokens(prompt, LOAD_TOKENS)
+    assert errors >= 1  # rank 1 streamed before it was lost

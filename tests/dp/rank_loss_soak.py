@@ -18,11 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from dp_helpers import expected_tokens, null_config, tokens_of, wiring_of
+from dp_helpers import client_of, expected_tokens, null_config, tokens_of, wiring_of
 
 from wavecore.engine.api import open_dp_engine
-from wavecore.engine.dp.client import DPClient
-from wavecore.engine.frontend.engine import FrontEnd
 from wavecore.engine.sampling_params import SamplingParams
 
 HANG_GUARD = 60.0  # seconds for a whole run; reached only if something hangs
@@ -55,9 +53,7 @@ async def soak(seed: int, *, dp_mode: str, dp_size: int = 3, faults: int = 3) ->
     killed: set[str] = set()
     with anyio.fail_after(HANG_GUARD):
         async with open_dp_engine(config) as engine:
-            assert isinstance(engine, FrontEnd)
-            client = engine.core_client
-            assert isinstance(client, DPClient)
+            client = client_of(engine)
             processes = wiring_of(engine).processes
             stop = anyio.Event()
 

@@ -22,6 +22,7 @@ from dp_helpers import (
     collect,
     expected_tokens,
     null_config,
+    start_headless_rank,
     stop_for,
     tokens_of,
     wiring_of,
@@ -230,13 +231,6 @@ if __name__ == "__main__":
 """
 
 
-async def _start_headless_rank(address: str) -> Process:
-    argv = ["rank", "--dp-rank", "1", "--dp-size", "2", "--master"]
-    argv += [address.removeprefix("tcp://"), *HEADLESS_FLAGS]
-    code = f"import sys; from wavecore.engine.cli.main import main; sys.exit(main({argv!r}))"
-    return await anyio.open_process([sys.executable, "-c", code], stdout=None)
-
-
 async def test_a_headless_rank_exits_saying_why_when_its_front_end_is_killed(
     tmp_path: Path,
 ) -> None:
@@ -250,7 +244,7 @@ async def test_a_headless_rank_exits_saying_why_when_its_front_end_is_killed(
             assert front.stdout is not None
             lines = BufferedByteReceiveStream(front.stdout)
             address = (await lines.receive_until(b"\n", 1024)).decode()
-            rank = await _start_headless_rank(address)
+            rank = await start_headless_rank(address, 1, 2, *HEADLESS_FLAGS)
             processes.append(rank)
             assert await lines.receive_until(b"\n", 1024) == b"serving"  # rank 1 streams
             front.kill()
@@ -277,7 +271,7 @@ async def test_the_front_end_names_a_headless_rank_that_stops_answering() -> Non
 
             def start_rank(address: str) -> None:
                 async def start() -> None:
-                    joined.append(await _start_headless_rank(address))
+                    joined.append(await start_headless_rank(address, 1, 2, *HEADLESS_FLAGS))
 
                 tg.start_soon(start)
 

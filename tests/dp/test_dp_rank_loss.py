@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import pytest
-from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens_of, wiring_of
+from dp_helpers import (
+    HANG_GUARD,
+    check_rank_1_lost,
+    collect,
+    expected_tokens,
+    load_then,
+    null_config,
+    tokens_of,
+    wiring_of,
+)
 from rank_loss_soak import soak
 
 from wavecore.engine.api import open_dp_engine
@@ -22,47 +32,9 @@ from wavecore.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.anyio
 
-TOKENS = 400  # long enough to be in flight when the rank dies
 
-
-async def _load(
-    engine: Any, ranks: range, *, signal_rank: int, how: signal.Signals
-) -> dict[str, list[Any]]:
-    """Two requests pinned to each rank; once every rank streams, `how` hits
-    `signal_rank`. Returns each request's deltas."""
-    deltas: dict[str, list[Any]] = {}
-    streaming = {rank: anyio.Event() for rank in ranks}
-
-    async def run(rank: int, prompt: str) -> None:
-        deltas[prompt] = []
-        params = SamplingParams(max_tokens=TOKENS)
-        async for delta in engine.generate(prompt, params, dp_rank=rank):
-            deltas[prompt].append(delta)
-            streaming[rank].set()
-
-    async with anyio.create_task_group() as tg:
-        for rank in ranks:
-            for index in range(2):
-                tg.start_soon(run, rank, f"rank {rank} request {index}")
-        for event in streaming.values():
-            await event.wait()
-        os.kill(wiring_of(engine).processes[f"rank {signal_rank}"].pid, how)
-    return deltas
-
-
-def _check(deltas: dict[str, list[Any]], error: str) -> None:
-    """Rank 1 was lost: a request of its that had streamed ends with `error`, one that
-    had not was sent again whole; every other request finishes exactly."""
-    errors = 0
-    for prompt, stream in deltas.items():
-        last = stream[-1]
-        if prompt.startswith("rank 1") and last.finish_reason == "error":
-            assert error in last.error
-            errors += 1
-        else:
-            assert last.finish_reason == "length" and last.error is None
-            assert tokens_of(stream) == expected_tokens(prompt, TOKENS)
-    assert errors >= 1  # rank 1 streamed before it was lost
+def _signal(engine: Any, rank: int, how: signal.Signals) -> Callable[[], None]:
+    return lambda: os.kill(wiring_of(engine).processes[f"rank {rank}"].pid, how)
 
 
 async def test_a_killed_then_a_stuck_rank_shrink_the_group_and_survivors_serve_on() -> None:
@@ -72,9 +44,9 @@ async def test_a_killed_then_a_stuck_rank_shrink_the_group_and_survivors_serve_o
         async with open_dp_engine(config) as engine:
             processes = wiring_of(engine).processes
             killed, stuck = processes["rank 1"], processes["rank 2"]
-            deltas = await _load(engine, range(3), signal_rank=1, how=signal.SIGKILL)
+            deltas = await load_then(engine, range(3), _signal(engine, 1, signal.SIGKILL))
             assert engine.dp_size == 2 and processes["rank 1"] is stuck
-            _check(deltas, "rank 1 lost (rank 1 died (killed by SIGKILL))")
+            check_rank_1_lost(deltas, "rank 1 lost (rank 1 died (killed by SIGKILL))")
             for rank in range(2):  # both survivors answer under their new numbers
                 prompt = f"after {rank}"
                 params = SamplingParams(max_tokens=5)
@@ -83,9 +55,9 @@ async def test_a_killed_then_a_stuck_rank_shrink_the_group_and_survivors_serve_o
             stats = await engine.stats()
             assert [rank.rank for rank in stats.ranks] == [0, 1]
 
-            deltas = await _load(engine, range(2), signal_rank=1, how=signal.SIGSTOP)
+            deltas = await load_then(engine, range(2), _signal(engine, 1, signal.SIGSTOP))
             assert engine.dp_size == 1
-            _check(deltas, "rank 1 lost (rank 1 is stopped (SIGSTOP or a debugger)")
+            check_rank_1_lost(deltas, "rank 1 lost (rank 1 is stopped (SIGSTOP or a debugger)")
         assert killed.exitcode == -signal.SIGKILL and stuck.exitcode == -signal.SIGKILL
 
 

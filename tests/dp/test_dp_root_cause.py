@@ -35,6 +35,7 @@ class _Wiring:
     processes: dict[str, _Process] = field(
         default_factory=lambda: {"rank 0": _Process(), "rank 1": _Process()}
     )
+    members: list[int] = field(default_factory=lambda: [0, 1])
 
 
 def _client() -> DPClient:

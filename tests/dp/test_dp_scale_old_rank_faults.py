@@ -14,14 +14,20 @@ from typing import Any
 
 import anyio
 import pytest
-from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens_of, wiring_of
+from dp_helpers import (
+    HANG_GUARD,
+    client_of,
+    collect,
+    expected_tokens,
+    null_config,
+    tokens_of,
+    wiring_of,
+)
 
 from wavecore.engine import messages as m
 from wavecore.engine.api import Engine, open_dp_engine
-from wavecore.engine.dp.client import DPClient
 from wavecore.engine.dp.process_state import is_stopped
 from wavecore.engine.errors import EngineDeadError, ScalingFailedError
-from wavecore.engine.frontend.engine import FrontEnd
 from wavecore.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.anyio
@@ -76,13 +82,6 @@ class _Load:
                 assert tokens_of(stream) == expected_tokens(prompt, TOKENS)
 
 
-def _client(engine: Engine) -> DPClient:
-    assert isinstance(engine, FrontEnd)
-    client = engine.core_client
-    assert isinstance(client, DPClient)
-    return client
-
-
 def _hit(engine: Engine, how: signal.Signals, at: list[float]) -> bool:
     """Hit the victim; True when the scale is to see a death."""
     os.kill(wiring_of(engine).processes[f"rank {VICTIM}"].pid, how)
@@ -110,7 +109,7 @@ def _hook(
     the pause at the latest. A death is awaited until the scale took it, so that the
     phase it cuts into is the one it was hit in."""
     call_ranks = engine.call_ranks  # type: ignore[attr-defined]
-    scaler = _client(engine).scaler
+    scaler = client_of(engine).scaler
     done: list[bool] = []
     taken = anyio.Event()
     take_loss = scaler.take_loss
@@ -277,7 +276,7 @@ async def test_a_second_loss_during_a_shrink_restarts_it_with_the_smaller_surviv
     client_seconds: list[float] = []
     with anyio.fail_after(HANG_GUARD):
         async with open_dp_engine(config) as engine:
-            client = _client(engine)
+            client = client_of(engine)
             processes = wiring_of(engine).processes
             first, second = processes["rank 1"], processes["rank 2"]
             call_ranks = engine.call_ranks  # type: ignore[attr-defined]

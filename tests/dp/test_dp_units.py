@@ -9,20 +9,20 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from wavecore.engine.dp.collective import CollectiveMismatchError, DPGroup
+from wavecore.engine.dp.collective import CollectiveMismatchError, DPGroup, GroupAbortedError
 from wavecore.engine.frontend.load_balancer import LoadBalancer
 from wavecore.statemachines.errors import LockstepDriftError
 from wavecore.statemachines.rank import RankMachine, RequestArrived, StepDone, SyncDone
 
 
-def _in_two_ranks(calls: list[Any]) -> list[Any]:
+def _in_two_ranks(calls: list[Any], timeout_s: float = 20) -> list[Any]:
     """Run `calls[r](group)` in a thread per rank of a fresh two-rank group."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     results: list[Any] = [None, None]
 
     def rank_thread(rank: int) -> None:
         group = DPGroup.join(
-            host="127.0.0.1", port=store.port, prefix="unit", rank=rank, size=2, timeout_s=20
+            host="127.0.0.1", port=store.port, prefix="unit", rank=rank, size=2, timeout_s=timeout_s
         )
         try:
             results[rank] = calls[rank](group)
@@ -82,6 +82,34 @@ def test_a_vote_meeting_a_barrier_is_detected() -> None:
 
     results = _in_two_ranks([vote, barrier])
     assert all(isinstance(result, CollectiveMismatchError) for result in results)
+
+
+def test_aborting_the_group_ends_a_vote_waiting_for_a_peer_that_never_comes() -> None:
+    """gloo's own abort wakes no waiter: `DPGroup.abort`, from another thread, must still
+    end a wait (within one wait slice) for a peer that joined the group but not the vote
+    (it stays until rank 0 is done: its leaving would break the vote another way)."""
+    started, done = threading.Event(), threading.Event()
+    waiting: list[DPGroup] = []
+
+    def wait_in_a_vote(group: DPGroup) -> Any:
+        waiting.append(group)
+        group.start_vote(has_unfinished=True, pending_pause=False, wave=0, step_counter=1)
+        started.set()
+        try:
+            return group.await_vote()
+        finally:
+            done.set()
+
+    def abort_it(group: DPGroup) -> None:
+        started.wait(10)
+        waiting[0].abort()
+        done.wait(10)
+
+    # A timeout far beyond the slice, short enough that tearing the group down (which
+    # waits for the vote gloo still runs) stays quick.
+    results = _in_two_ranks([wait_in_a_vote, abort_it], timeout_s=5)
+    assert isinstance(results[0], GroupAbortedError), results[0]
+    assert "rank 0 left its DP group while waiting in a vote" in str(results[0])
 
 
 def test_balancer_prefers_the_least_loaded_and_spreads_a_burst() -> None:
