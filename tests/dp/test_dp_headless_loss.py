@@ -29,6 +29,7 @@ from dp_helpers import (
 from wavecore.engine.api import open_dp_engine
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.dp.heartbeat import FRONT_END_LOST_EXIT
+from wavecore.engine.errors import EngineDeadError
 from wavecore.engine.interface import Engine
 from wavecore.engine.sampling_params import SamplingParams
 
@@ -39,16 +40,18 @@ LOST = "rank 1 lost (rank 1 sent no heartbeat for "
 
 
 @asynccontextmanager
-async def _engine_with_headless_rank(dp_mode: str) -> AsyncIterator[tuple[Engine, Process]]:
+async def _engine_with_headless_rank(
+    dp_mode: str, on_rank_failure: str = "shrink"
+) -> AsyncIterator[tuple[Engine, Process]]:
     config = EngineConfig(
         transport="tcp",
         executor="null",
         dp_size=2,
         dp_mode=dp_mode,  # type: ignore[arg-type]
-        on_rank_failure="shrink",
+        on_rank_failure=on_rank_failure,  # type: ignore[arg-type]
         **QUICK,  # type: ignore[arg-type]
     )
-    flags = ["--executor", "null", "--dp-mode", dp_mode, "--on-rank-failure", "shrink"]
+    flags = ["--executor", "null", "--dp-mode", dp_mode, "--on-rank-failure", on_rank_failure]
     flags += ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "2"]
     joined: list[Process] = []
     async with anyio.create_task_group() as tg:
@@ -111,3 +114,17 @@ async def test_a_dropped_headless_rank_that_comes_back_is_ignored_and_exits(
                 deltas_after = await collect(engine, prompt, params, dp_rank=rank)
                 assert tokens_of(deltas_after) == expected_tokens(prompt, 8)
             assert engine.dp_size == 2
+
+
+async def test_a_killed_headless_rank_is_named_as_the_cause_when_the_engine_fails() -> None:
+    """With "fail", rank 0's broken collective shows first ("connection reset" or the
+    like); the error every caller sees names rank 1's silence, the cause, because the
+    report waits for it as long as a headless peer's death takes to show."""
+    with anyio.fail_after(HANG_GUARD):
+        async with _engine_with_headless_rank("lockstep", "fail") as (engine, headless):
+            stream = engine.generate("endless", SamplingParams(max_tokens=10**6), dp_rank=0)
+            await stream.__anext__()
+            headless.kill()
+            with pytest.raises(EngineDeadError, match=r"^rank 1 sent no heartbeat for "):
+                async for _ in stream:
+                    pass
