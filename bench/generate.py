@@ -275,6 +275,12 @@ def main() -> None:
         default="float32",
         help="wavecore's weight format (EngineConfig.weights)",
     )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        help="the concurrencies to run (default 1 4 16 64; llama.cpp runs when 1 is one)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "generate.json")
     args = parser.parse_args()
 
@@ -282,6 +288,8 @@ def main() -> None:
         count, low, high, new_tokens, sweep = 8, 16, 64, 8, (1, 4)
     else:
         count, low, high, new_tokens, sweep = 64, 16, 512, 128, (1, 4, 16, 64)
+    if args.concurrency:
+        sweep = tuple(args.concurrency)
     # transformers' cache grows as it needs; the engine's is sized for the workload (64
     # sequences of up to 640 tokens need 1.8 GiB of float32 KV), as a server would be.
     config = EngineConfig(
@@ -303,7 +311,7 @@ def main() -> None:
         print_table(rows[-len(systems) :])
 
     llamacpp = None
-    if args.executor == "model":
+    if args.executor == "model" and 1 in sweep:
         # The C=1 row's requests, so the two compare one to one.
         llamacpp = measure_alone("llama.cpp", config, requests_at(prompts, 1), new_tokens, 1)
     summary = headline(rows)
