@@ -63,12 +63,7 @@ from wavecore.engine.dp.launcher import COORDINATOR, DPWiring, open_dp_processes
 from wavecore.engine.dp.process_state import is_stopped
 from wavecore.engine.dp.rank_process import BuildCore
 from wavecore.engine.dp.scaler import Scaler
-from wavecore.engine.errors import (
-    EngineDeadError,
-    ScalingFailedError,
-    ScalingInProgressError,
-    ScalingRefusedError,
-)
+from wavecore.engine.errors import EngineDeadError, EngineError, ScalingFailedError
 from wavecore.engine.frontend.core_client import ScaleHost
 from wavecore.engine.request import PromptTokenizer
 from wavecore.engine.weight_messages import RankReply
@@ -249,7 +244,7 @@ class DPClient:
         happening is logged (`restarts` keeps each outcome, `restarted` is set after)."""
         try:
             await host.scale(size)
-        except (ScalingRefusedError, ScalingInProgressError, ScalingFailedError) as error:
+        except EngineError as error:  # refused, a scale running, failed, or the end
             outcome = f"no restart to {size} ranks: {error}"
             logger.warning("%s", outcome)
         else:

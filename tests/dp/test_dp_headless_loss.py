@@ -92,10 +92,7 @@ async def test_a_killed_headless_rank_is_dropped_and_the_survivor_serves_on(dp_m
             assert await headless.wait() == -signal.SIGKILL
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
-async def test_a_dropped_headless_rank_that_comes_back_is_ignored_and_exits(
-    anyio_backend: str,
-) -> None:
+async def test_a_dropped_headless_rank_that_comes_back_is_ignored_and_exits() -> None:
     """Stopped, rank 1 is dropped by its silence; continued, it finds its group broken
     and reports so as rank 1, the number of no member now (and of the next rank a scale
     adds): the engine goes on serving, scales up again, and the old rank exits."""
