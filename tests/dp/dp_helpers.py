@@ -109,13 +109,17 @@ async def stop_for(engine: Engine, rank: int, seconds: float) -> None:
     os.kill(pid, signal.SIGCONT)
 
 
-async def start_headless_rank(address: str, rank: int, dp_size: int, *flags: str) -> Process:
+async def start_headless_rank(
+    address: str, rank: int, dp_size: int, *flags: str, stderr: int | None = None
+) -> Process:
     """`wavecore rank` in a process of its own, joining the front end listening at
-    `address` as `rank` of `dp_size`, with these command-line flags."""
+    `address` as `rank` of `dp_size`, with these command-line flags. Its stderr is this
+    process's unless a test reads it (`stderr=subprocess.PIPE`: an unread pipe that
+    fills would block the rank)."""
     argv = ["rank", "--dp-rank", str(rank), "--dp-size", str(dp_size), "--master"]
     argv += [address.removeprefix("tcp://"), *flags]
     code = f"import sys; from wavecore.engine.cli.main import main; sys.exit(main({argv!r}))"
-    return await anyio.open_process([sys.executable, "-c", code], stdout=None)
+    return await anyio.open_process([sys.executable, "-c", code], stdout=None, stderr=stderr)
 
 
 LOAD_TOKENS = 400  # long enough for a request to be in flight when its rank is lost

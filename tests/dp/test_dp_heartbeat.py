@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -244,7 +245,7 @@ async def test_a_headless_rank_exits_saying_why_when_its_front_end_is_killed(
             assert front.stdout is not None
             lines = BufferedByteReceiveStream(front.stdout)
             address = (await lines.receive_until(b"\n", 1024)).decode()
-            rank = await start_headless_rank(address, 1, 2, *HEADLESS_FLAGS)
+            rank = await start_headless_rank(address, 1, 2, *HEADLESS_FLAGS, stderr=subprocess.PIPE)
             processes.append(rank)
             assert await lines.receive_until(b"\n", 1024) == b"serving"  # rank 1 streams
             front.kill()
