@@ -132,8 +132,11 @@ async def test_abort_ends_the_stream_with_abort(engine: Engine) -> None:
 
 @pytest.mark.parametrize("mode", list(PauseMode))
 async def test_pause_in_each_mode_then_resume(engine: Engine, mode: PauseMode) -> None:
+    # An ABORT pause must find its requests running: 60 null-executor tokens can all be
+    # produced between the first one's arrival and the pause on a loaded machine.
+    count = 10**6 if mode is PauseMode.ABORT else 60
     with anyio.fail_after(HANG_GUARD):
-        streams = [await started(engine, f"run {i}", 60, f"{mode.value}-{i}") for i in range(2)]
+        streams = [await started(engine, f"run {i}", count, f"{mode.value}-{i}") for i in range(2)]
         await engine.pause(mode)
         assert await engine.is_paused()
         paused = await engine.stats()
