@@ -363,10 +363,9 @@ class DPClient:
         dropped while a shrink runs (it is that shrink's doing), else its cause is
         found and lost (or, during a scale, the engine dies as it always did)."""
         if not message.in_collective:
-            members = self.wiring.members
-            # A new rank not ready yet is no member: the scale watches it.
-            member = members[message.rank] if message.rank < len(members) else None
-            self._lose(_Loss(cause=message.error, member=member, resend=False))
+            # A new rank a scale still starts is no member yet: `_lost_member` and the
+            # scaler's joining set leave it to the scale.
+            self._lose(_Loss(cause=message.error, member=message.member, resend=False))
         elif not self.scaler.shrinking:
             self._lose(_Loss(cause=message.error, report=message, shrinks=self._shrinks))
 

@@ -17,6 +17,7 @@ import anyio
 import pytest
 from dp_helpers import (
     HANG_GUARD,
+    build_exploding_core,
     check_rank_1_lost,
     collect,
     expected_tokens,
@@ -98,3 +99,21 @@ async def test_a_shrink_ends_the_wave_the_lost_rank_kept_running() -> None:
                 prompt = f"after {rank}"
                 deltas = await collect(engine, prompt, SamplingParams(max_tokens=5), dp_rank=rank)
                 assert tokens_of(deltas) == expected_tokens(prompt, 5)
+
+
+async def test_a_rank_whose_own_loop_fails_is_dropped_and_its_request_not_sent_again() -> None:
+    """Independent mode, so no collective is involved: rank 1's step raises. The rank
+    is lost by its own report (its member id), and the request that broke it ends with
+    the error instead of going to the survivor, whom it would break too."""
+    config = null_config(dp_mode="independent", on_rank_failure="shrink")
+    with anyio.fail_after(HANG_GUARD):
+        async with open_dp_engine(config, build_core=build_exploding_core) as engine:
+            params = SamplingParams(max_tokens=5)
+            deltas = await collect(engine, "boom", params, request_id="explode-1", dp_rank=1)
+            assert deltas[-1].finish_reason == "error"
+            assert deltas[-1].error.startswith("rank 1 lost (rank 1 (pid ")
+            assert "injected failure in the model step" in deltas[-1].error
+            assert tokens_of(deltas) == []
+            assert engine.dp_size == 1
+            after = await collect(engine, "after", params)
+            assert tokens_of(after) == expected_tokens("after", 5)
