@@ -42,6 +42,10 @@ class CoreStats:
     paused: str | None
     asleep: tuple[str, ...]
     weight_version: str | None
+    # Structured-output grammars this rank compiled (cache hits excluded), and the
+    # seconds those compiles took.
+    grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +88,8 @@ class EngineStats:
     engines_running: bool
     held: Mapping[str, str]
     requests_per_rank: tuple[int, ...]
+    # Structured-output requests accepted since start, per kind ("json", "regex", ...).
+    structured_requests: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def num_waiting(self) -> int:

@@ -13,13 +13,15 @@ with the addresses it bound.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from wavecore.channels import default_registry
 from wavecore.engine.interface import CoreStats, RankCounters, RankStats
 from wavecore.engine.sampling_params import SamplingParams
+from wavecore.engine.structured_outputs import StructuredOutputs
 
 default_registry.register(SamplingParams, tag=30600)
+default_registry.register(StructuredOutputs, tag=30645)
 default_registry.register(CoreStats, tag=30601)
 default_registry.register(RankCounters, tag=30622)
 default_registry.register(RankStats, tag=30623)
@@ -165,7 +167,9 @@ class StepOutputs:
 
     Columnar, so that a step of hundreds of requests encodes as a few flat arrays:
     request `request_ids[i]` got `token_counts[i]` new tokens, taken in order from
-    `token_ids`; `finished` maps the requests that finished to their reason.
+    `token_ids`; `finished` maps the requests that finished to their reason, and
+    `errors` those that finished with reason "error" to what went wrong (a grammar
+    that failed on the rank).
     """
 
     rank: int
@@ -174,6 +178,7 @@ class StepOutputs:
     token_ids: tuple[int, ...]
     finished: dict[str, str]
     logprobs: tuple[RequestLogprobs, ...] = ()
+    errors: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.token_counts) != len(self.request_ids):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from wavecore.engine.structured_outputs import StructuredOutputs
+
 
 def _check_int(name: str, value: object, *, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -40,6 +42,9 @@ class SamplingParams:
     choices depend only on the seed and the token position, not on its batch.
     `logprobs` asks for the log-probability of each sampled token plus that many of the
     most likely alternatives (0 means the sampled token's alone).
+    `structured_outputs` constrains the output to a JSON schema, a regex, a choice or a
+    grammar (`engine.structured_outputs`); log-probabilities are then those of the
+    constrained distribution.
     """
 
     max_tokens: int = 16
@@ -56,6 +61,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -96,6 +102,13 @@ class SamplingParams:
             raise ValueError("SamplingParams.ignore_eos must be a bool")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=20)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputs
+        ):
+            raise ValueError(
+                "SamplingParams.structured_outputs must be a StructuredOutputs, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
 
     @property
     def greedy(self) -> bool:

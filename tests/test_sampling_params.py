@@ -26,6 +26,7 @@ BAD_VALUES: dict[str, list[object]] = {
     "stop_token_ids": [(-1,), (1.0,), (True,), ("2",), 7, None],
     "ignore_eos": [1, 0, "yes", None],
     "logprobs": [-1, 21, 1.0, "2", True],
+    "structured_outputs": [{"json": {}}, "regex", 1, True],
 }
 
 

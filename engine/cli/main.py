@@ -446,6 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-k", type=int)
     sampling.add_argument("--seed", type=int)
     sampling.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    structured = sampling.add_mutually_exclusive_group()
+    structured.add_argument(
+        "--json-schema", metavar="FILE", help="outputs match the JSON schema in FILE"
+    )
+    structured.add_argument("--regex", metavar="R", help="outputs match the regex R")
+    structured.add_argument("--choice", metavar="A,B,C", help="each output is one of these")
     add_serve_parser(commands, _add_engine_flags)
     rank = commands.add_parser("rank", help="run one headless data-parallel rank")
     rank.add_argument("--dp-rank", type=int, required=True)

@@ -17,6 +17,8 @@ from typing import Any, TextIO
 from wavecore.engine.cli.demo_prompts import DEMO_PROMPTS
 from wavecore.engine.cli.latency import RequestTimer
 from wavecore.engine.sampling_params import SamplingParams
+from wavecore.engine.structured.grammars import check_spec
+from wavecore.engine.structured_outputs import StructuredOutputs
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
@@ -117,10 +119,32 @@ def _default_sampling(args: argparse.Namespace) -> dict[str, Any]:
     }
     defaults = {name: value for name, value in chosen.items() if value is not None}
     try:
+        structured = _structured_flags(args)
+        if structured is not None:
+            defaults["structured_outputs"] = structured
         SamplingParams(**defaults)
     except ValueError as error:
         raise UsageError(str(error)) from None
     return defaults
+
+
+def _structured_flags(args: argparse.Namespace) -> StructuredOutputs | None:
+    """`--json-schema FILE`, `--regex R` or `--choice A,B,C` (argparse allows one),
+    compiled here so that a bad one stops the run before a model loads."""
+    if args.json_schema is not None:
+        path = Path(args.json_schema)
+        try:
+            spec = StructuredOutputs(json=path.read_text())
+        except OSError as error:
+            raise UsageError(f"--json-schema {path}: {error.strerror}") from None
+    elif args.regex is not None:
+        spec = StructuredOutputs(regex=args.regex)
+    elif args.choice is not None:
+        spec = StructuredOutputs(choice=[option for option in args.choice.split(",") if option])
+    else:
+        return None
+    check_spec(spec)
+    return spec
 
 
 def _file_bytes(path: Path) -> bytes:
@@ -195,8 +219,14 @@ def _json_object(line: str) -> dict[str, Any]:
 
 
 def _line_sampling(record: dict[str, Any], defaults: dict[str, Any]) -> SamplingParams:
+    """The line's sampling fields over the flags'; its `structured_outputs` is an object
+    with one of upstream's kinds (`{"regex": "..."}`), compiled here."""
     overrides = {k: v for k, v in record.items() if k in _SAMPLING_FIELDS}
     try:
+        structured = overrides.get("structured_outputs")
+        if isinstance(structured, dict):
+            overrides["structured_outputs"] = StructuredOutputs(**structured)
+            check_spec(overrides["structured_outputs"])
         return SamplingParams(**{**defaults, **overrides})
     except (TypeError, ValueError) as error:
         raise BadPromptError(str(error)) from None

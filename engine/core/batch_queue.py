@@ -27,7 +27,13 @@ Theory of operation:
    of the serial loop: no forward in flight, every sample applied.
 5. Aborts still win over the step that was running when they arrived (the runner's
    rule 4): they are taken after each forward, before its update.
-6. Every other input takes effect from the next step scheduled after it, which under
+6. Structured output: the step ahead starts its forward at once, but its grammar
+   bitmask depends on the current step's tokens, so it is computed after the current
+   step's update has advanced the matchers (upstream's deferred sampling); the step
+   ahead's sampling waits for it on the model thread, its forward does not. Outputs
+   are those of the serial loop. A step started with nothing ahead of it gets its
+   bitmask at once.
+7. Every other input takes effect from the next step scheduled after it, which under
    the queue is one step later than in the serial loop: a KEEP or WAIT pause may let
    one more step's tokens land before it completes. What a stream carries does not
    change: a request's tokens do not depend on when they are computed, and what a
@@ -37,10 +43,12 @@ Theory of operation:
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.core.model_thread import ModelJob, ModelThread
-from wavecore.engine.executors.batch import ModelOutput
+from wavecore.engine.executors.batch import GrammarBitmask, ModelOutput
 from wavecore.engine.scheduler import RequestUpdate, SchedulerOutput
 from wavecore.statemachines import (
     NotifyStartWave,
@@ -57,7 +65,14 @@ from wavecore.statemachines import (
 # What the copy of the loop is asked: the current step ran and left work.
 _WORK_LEFT = StepDone(executed=True, has_unfinished=True)
 
-InFlight = tuple[SchedulerOutput, ModelJob[ModelOutput]]
+
+@dataclass(slots=True)
+class InFlight:
+    """A started step; `slot` is where its grammar bitmask goes (None: it needs none)."""
+
+    step: SchedulerOutput
+    job: ModelJob[ModelOutput]
+    slot: Future[GrammarBitmask | None] | None
 
 
 class BatchQueue:
@@ -89,8 +104,11 @@ class BatchQueue:
             step = self._schedule(self._loop.machine)
             if step is None:
                 return StepDone(executed=False, has_unfinished=core.has_unfinished())
-            current = (step, self._thread.start(core.execute, step))
-        self._ahead = self._start_next(current[1])
+            slot = core.bitmask_slot(step)
+            current = InFlight(step, self._thread.start(core.execute, step, slot), slot)
+            if slot is not None:
+                core.fill_bitmask(step, slot)  # nothing is ahead of it: rule 6
+        self._ahead = self._start_next(current.job)
         await self._finish(current, take_aborts)
         done = StepDone(executed=True, has_unfinished=core.has_unfinished())
         if not done.has_unfinished:
@@ -115,22 +133,38 @@ class BatchQueue:
         step = self._schedule(predicted.machine)  # its step count after the current step
         if step is None:
             return None
-        return step, self._thread.start(self._execute_after, step, previous)
+        slot = self._core.bitmask_slot(step)
+        return InFlight(step, self._thread.start(self._execute_after, step, previous, slot), slot)
 
     def _schedule(self, machine: RankMachine) -> SchedulerOutput | None:
         # Lockstep ranks admit prefills on the same steps: those of their shared count.
-        return self._core.schedule(machine.step_counter if machine.lockstep else None)
+        step = self._core.schedule(machine.step_counter if machine.lockstep else None)
+        self._emit(self._core.take_finished_early())
+        return step
 
-    def _execute_after(self, step: SchedulerOutput, previous: ModelJob[ModelOutput]) -> ModelOutput:
+    def _execute_after(
+        self,
+        step: SchedulerOutput,
+        previous: ModelJob[ModelOutput],
+        slot: Future[GrammarBitmask | None] | None,
+    ) -> ModelOutput:
         """On the model thread, after `previous` ran: resolve, then run the forward."""
         step.resolve_placeholders(previous.result())
-        return self._core.execute(step)
+        return self._core.execute(step, slot)
 
     async def _finish(self, in_flight: InFlight, take_aborts: Callable[[], None]) -> None:
-        step, job = in_flight
-        output = await job.wait()
-        take_aborts()
-        self._emit(self._core.update(step, output))
+        ahead = self._ahead
+        slot = None if ahead is None else ahead.slot
+        try:
+            output = await in_flight.job.wait()
+            take_aborts()
+            self._emit(self._core.update(in_flight.step, output))
+        except BaseException:
+            if slot is not None:  # the step ahead's sampling fails instead of waiting
+                slot.set_exception(RuntimeError("the step before this one did not complete"))
+            raise
+        if ahead is not None and slot is not None:
+            self._core.fill_bitmask(ahead.step, slot)  # rule 6: the matchers are current
         self._counts["real_steps"] += 1
 
 

@@ -61,6 +61,7 @@ class CoreEffects:
         self._counts: list[int] = []
         self._tokens: list[int] = []
         self._finished: dict[str, str] = {}
+        self._errors: dict[str, str] = {}
         self._logprobs: list[m.RequestLogprobs] = []
 
     def renumber(self, rank: int) -> None:
@@ -156,6 +157,8 @@ class CoreEffects:
             self._tokens.extend(update.new_token_ids)
             if update.finish_reason is not None:
                 self._finished[request_id] = str(update.finish_reason)
+                if update.error is not None:
+                    self._errors[request_id] = update.error
             if update.sampled and update.sampled[0].logprob is not None:
                 entries = tuple((s.token_id, s.logprob, s.top_logprobs) for s in update.sampled)
                 self._logprobs.append(m.RequestLogprobs(request_id=request_id, entries=entries))
@@ -171,10 +174,11 @@ class CoreEffects:
                 token_ids=tuple(self._tokens),
                 finished=self._finished,
                 logprobs=tuple(self._logprobs),
+                errors=self._errors,
             )
         )
         self._ids, self._counts, self._tokens = [], [], []
-        self._finished, self._logprobs = {}, []
+        self._finished, self._logprobs, self._errors = {}, [], {}
 
     def take_outputs(self) -> list[object]:
         self._close_step_outputs()

@@ -10,15 +10,24 @@ sleep `drop_kv_cache()`, which sends running requests back to waiting to be
 recomputed. Whether the rank is paused or asleep is the machine's state, not the
 core's. `step()` does schedule, execute and update in a row for synchronous callers
 (tests, benchmarks).
+
+Structured output splits the step as upstream's does: `execute` runs the forward
+(`Executor.execute_model`), then waits for the step's grammar bitmask, which the
+driver computes on the event loop while the forward runs (`bitmask_slot`,
+`fill_bitmask`), and samples with it (`Executor.sample_tokens`). Grammars compile in
+the background (`structured.compiler`); `schedule()` first collects the compiles that
+ended, and a request whose grammar failed ends alone, its update waiting in
+`take_finished_early()`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
-from wavecore.engine.executors.batch import Executor, ModelOutput
+from wavecore.engine.executors.batch import Executor, GrammarBitmask, ModelOutput
 from wavecore.engine.interface import CoreStats
 from wavecore.engine.request import EngineRequest, PromptTokenizer
 from wavecore.engine.scheduler import (
@@ -28,6 +37,8 @@ from wavecore.engine.scheduler import (
     SchedulerOutput,
 )
 from wavecore.engine.scheduler import errors as scheduler_errors
+from wavecore.engine.structured.bitmask import compute_bitmask
+from wavecore.engine.structured.compiler import GrammarCompiler, RequestGrammar
 from wavecore.statemachines import FinishReason, PauseMode
 
 # The null executor stands in for a model of about this KV footprint per block.
@@ -61,6 +72,9 @@ class EngineCore:
         # Whether the rank runs its steps through the batch queue (`core.batch_queue`).
         self.async_scheduling = config.async_scheduling
         self.weight_version: str | None = None
+        self.grammars = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+        self._compiling: dict[str, RequestGrammar] = {}
+        self._finished_early: list[RequestUpdate] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -126,14 +140,20 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:
+        spec = request.params.structured_outputs
+        grammar = None if spec is None else self.grammars.start(spec)
         try:
-            self.scheduler.add(request.request_id, request.prompt_token_ids, request.params)
+            self.scheduler.add(
+                request.request_id, request.prompt_token_ids, request.params, grammar
+            )
         except scheduler_errors.DuplicateRequestError as error:
             raise DuplicateRequestError(str(error)) from None
         except scheduler_errors.PromptTooLongError as error:
             raise PromptTooLongError(str(error)) from None
         except scheduler_errors.InvalidPromptError as error:
             raise InvalidRequestError(str(error)) from None
+        if grammar is not None and grammar.compiling:
+            self._compiling[request.request_id] = grammar
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[RequestUpdate]:
         """Finish these requests as aborted; the updates that tell their callers so."""
@@ -151,6 +171,7 @@ class EngineCore:
     def schedule(self, step_counter: int | None = None) -> SchedulerOutput | None:
         """The next step, or None when there is nothing to run now. `step_counter`
         feeds the prefill cadence (default: the scheduler's own count of steps)."""
+        self._collect_grammars()
         if not self.scheduler.has_work():
             return None
         step = self.scheduler.schedule(step_counter)
@@ -160,17 +181,86 @@ class EngineCore:
             return None
         return step
 
-    def execute(self, step: SchedulerOutput) -> ModelOutput:
-        return self.executor.execute(step.batch)
+    def execute(
+        self, step: SchedulerOutput, bitmask: Future[GrammarBitmask | None] | None = None
+    ) -> ModelOutput:
+        """On the model thread: the forward, then sampling with the bitmask that the
+        driver fills meanwhile (`bitmask_slot`; None when no row needs one)."""
+        forward = self.executor.execute_model(step.batch)
+        return self.executor.sample_tokens(forward, None if bitmask is None else bitmask.result())
+
+    def bitmask_slot(self, step: SchedulerOutput) -> Future[GrammarBitmask | None] | None:
+        """Where `fill_bitmask` puts this step's bitmask, or None if no sampling row of
+        it has a grammar (then nothing waits for one)."""
+        chunks = step.batch.chunks
+        for chunk, request in zip(chunks, step.requests, strict=True):
+            if chunk.sample and request.grammar is not None:
+                return Future()
+        return None
+
+    def fill_bitmask(self, step: SchedulerOutput, slot: Future[GrammarBitmask | None]) -> None:
+        """Compute the step's bitmask from its requests' grammars as they stand now (every
+        earlier step's tokens accepted) and hand it to the waiting `execute`."""
+        try:
+            rows = []
+            row = 0
+            for chunk, request in zip(step.batch.chunks, step.requests, strict=True):
+                if not chunk.sample:
+                    continue
+                if request.grammar is not None:
+                    rows.append((row, request.grammar))
+                row += 1
+            slot.set_result(compute_bitmask(rows, self.grammars.vocab_size))
+        except BaseException as error:  # the forward must not wait for ever
+            slot.set_exception(error)
+            raise
 
     def update(self, step: SchedulerOutput, output: ModelOutput) -> list[RequestUpdate]:
         return self.scheduler.update(step, output)
 
     def step(self) -> list[RequestUpdate]:
         step = self.schedule()
+        finished = self.take_finished_early()
         if step is None:
-            return []
-        return self.update(step, self.execute(step))
+            return finished
+        slot = self.bitmask_slot(step)
+        if slot is not None:
+            self.fill_bitmask(step, slot)
+        return finished + self.update(step, self.execute(step, slot))
+
+    # -- grammars --------------------------------------------------------------------
+
+    def grammars_compiling(self) -> bool:
+        """Whether a live request waits for its grammar (the driver then waits for a
+        compile to end, not in a busy loop)."""
+        self._collect_grammars()
+        return bool(self._compiling)
+
+    def take_finished_early(self) -> list[RequestUpdate]:
+        """The updates of requests ended outside a step (their grammar failed)."""
+        finished, self._finished_early = self._finished_early, []
+        return finished
+
+    def _collect_grammars(self) -> None:
+        if not self._compiling:
+            return
+        for request_id, grammar in list(self._compiling.items()):
+            grammar.poll()
+            live = self.scheduler.get_request(request_id) is not None
+            if grammar.compiling and live:
+                continue
+            del self._compiling[request_id]
+            if live and grammar.error is not None:
+                self.scheduler.finish(request_id, FinishReason.ERROR)
+                self._finished_early.append(
+                    RequestUpdate(
+                        request_id=request_id,
+                        new_token_ids=(),
+                        sampled=(),
+                        finish_reason=FinishReason.ERROR,
+                        error=grammar.error,
+                    )
+                )
 
     # -- performing the rank machine's actions -----------------------------------------
 
@@ -215,9 +305,12 @@ class EngineCore:
             paused=None if paused is None else paused.value,
             asleep=tuple(sorted(asleep)),
             weight_version=self.weight_version,
+            grammar_compiles=self.grammars.compiles,
+            grammar_compile_seconds=self.grammars.compile_seconds,
         )
 
     def close(self) -> None:
+        self.grammars.close()
         self.executor.close()
 
 

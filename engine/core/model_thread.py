@@ -31,7 +31,7 @@ class ModelJob(Generic[T]):
         self._fn = fn
         self._args = args
         self._done = anyio.Event()
-        self._call_soon = _loop_call_soon()
+        self._call_soon = loop_call_soon()
         self._outcome: tuple[bool, Any] | None = None
 
     def __call__(self) -> None:  # on the model thread
@@ -68,7 +68,7 @@ class ModelJob(Generic[T]):
         return self.result()
 
 
-def _loop_call_soon() -> Callable[[Callable[[], object]], object]:
+def loop_call_soon() -> Callable[[Callable[[], object]], object]:
     """The running event loop's thread-safe "call this soon", which returns at once.
 
     anyio has no public one (`from_thread.run_sync` waits for the loop), so this takes

@@ -30,6 +30,10 @@ Theory of operation:
 8. A collective blocked on a peer the client dropped fails as soon as the client's
    `LeaveGroup`, or the end of the rank's input, reaches the rank, not after
    collective_timeout (`interrupt_collective`).
+9. A step's forward starts on the model thread before its grammar bitmask is computed
+   here (structured output); the forward's sampling waits for it. A rank whose only
+   schedulable work waits for grammars to compile waits for the next compile to end
+   or the next input, whichever comes first, instead of spinning.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from wavecore.engine import messages as m
 from wavecore.engine.core.batch_queue import BatchQueue
 from wavecore.engine.core.core_effects import COUNTERS, CoreEffects
 from wavecore.engine.core.engine_core import EngineCore
-from wavecore.engine.core.model_thread import ModelThread
+from wavecore.engine.core.model_thread import ModelThread, loop_call_soon
 from wavecore.engine.core.rank_calls import RankCalls
 from wavecore.engine.core.rank_inputs import BadCall, loop_input_of
 from wavecore.engine.executors.batch import EXECUTOR_TAGS
@@ -77,6 +81,8 @@ from wavecore.statemachines import (
 
 # How long a rank waits for its broken group's connections to close.
 _ABORT_BOUND_S = 1.0
+# How long an idle rank waits for a grammar compile before it looks at the clock.
+_GRAMMAR_WAIT_S = 1.0
 
 
 class Shutdown:
@@ -174,10 +180,14 @@ class RankRunner:
         self._broken_groups: list[DPGroupHandle] = []
         # Weight updates and collective RPC, answered outside the machine.
         self._calls = RankCalls(core, self.rank, model_thread, self.loop.machine.snapshot)
+        # Set (from the event loop) when a grammar compile ends: rule 9.
+        self._grammar_event: anyio.Event | None = None
 
     # -- the loop --------------------------------------------------------------------
 
     async def run(self, inbox: MemoryObjectReceiveStream[Any]) -> None:
+        call_soon = loop_call_soon()
+        self.core.grammars.listener = lambda: call_soon(self._grammar_compiled)
         try:
             self.loop.start(self._effects)
             await self._flush()
@@ -280,9 +290,7 @@ class RankRunner:
                 loop.complete(done, self._effects)
                 await self._flush()  # the iteration's updates: one StepOutputs
                 if not done.executed:
-                    # Nothing ran (e.g. the prefill cadence skipped this step): let the
-                    # inputs' tasks run before the next try.
-                    await anyio.lowlevel.checkpoint()
+                    await self._idle_step(inbox)
                 continue
             await self._drain(inbox)
             await self._flush()
@@ -301,6 +309,34 @@ class RankRunner:
                     await self._thread.run(self.core.executor.wake_up, executor_tags)
                 loop.complete(None, self._effects)
 
+    async def _idle_step(self, inbox: MemoryObjectReceiveStream[Any]) -> None:
+        """Nothing ran. Usually (e.g. the prefill cadence skipped this step) letting the
+        inputs' tasks run is all there is to do before the next try; when the next
+        step can only wait for grammars to compile, wait for a compile or an input
+        (rule 9). The event is made new before the question, so a compile that ends
+        after it sets the event waited on."""
+        self._grammar_event = anyio.Event()
+        if not (isinstance(self.loop.pending, RunStep) and self.core.grammars_compiling()):
+            await anyio.lowlevel.checkpoint()
+            return
+        compiled = self._grammar_event
+        # Bounded: a compile past its timeout ends no wait by itself (rule 3 of
+        # `structured.compiler`), so the rank looks again every so often.
+        with anyio.move_on_after(_GRAMMAR_WAIT_S):
+            async with anyio.create_task_group() as group:
+
+                async def take_input() -> None:
+                    self._backlog.append(await inbox.receive())
+                    group.cancel_scope.cancel()
+
+                group.start_soon(take_input)
+                await compiled.wait()
+                group.cancel_scope.cancel()
+
+    def _grammar_compiled(self) -> None:  # on the event loop
+        if self._grammar_event is not None:
+            self._grammar_event.set()
+
     def _next_input(self, inbox: MemoryObjectReceiveStream[Any]) -> Any:
         if self._backlog:
             return self._backlog.popleft()
@@ -316,8 +352,13 @@ class RankRunner:
         machine = self.loop.machine
         # Lockstep ranks admit prefills on the same steps: those of their shared count.
         step = core.schedule(machine.step_counter if machine.lockstep else None)
+        self._effects.emit(core.take_finished_early())
         if step is not None:
-            output = await self._thread.run(core.execute, step)
+            slot = core.bitmask_slot(step)
+            job = self._thread.start(core.execute, step, slot)
+            if slot is not None:
+                core.fill_bitmask(step, slot)  # rule 9: while the forward runs
+            output = await job.wait()
             self._take_waiting_aborts(inbox)
             self._effects.emit(core.update(step, output))
             self.counts["real_steps"] += 1

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from wavecore.engine.sampling_params import SamplingParams
 
 # What an executor can put to sleep and wake; the engine's third tag, "scheduling",
@@ -76,6 +78,20 @@ class ModelOutput:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class GrammarBitmask:
+    """The tokens structured-output requests may sample this step.
+
+    `rows` are indices among the batch's sampling chunks (the rows of the logits);
+    `words[i]` packs the allowed tokens of row `rows[i]`, one bit per token id (bit
+    `t % 32` of word `t // 32`). Rows not listed are unconstrained; token ids past the
+    packed width are never allowed in a listed row.
+    """
+
+    rows: tuple[int, ...]
+    words: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ExecutorMemory:
     """Bytes an executor holds now: its weights where it computes, weights kept in host
     memory while asleep (level 1), and its KV cache."""
@@ -97,7 +113,15 @@ class Executor(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
-    def execute(self, batch: ModelBatch) -> ModelOutput: ...
+    def execute_model(self, batch: ModelBatch) -> object:
+        """The forward pass of `batch`; what it returns is handed to `sample_tokens`."""
+
+    def sample_tokens(self, forward: object, bitmask: GrammarBitmask | None) -> ModelOutput:
+        """Sample one token per sampling chunk of the forward's batch, only among the
+        tokens `bitmask` allows in the rows it lists."""
+
+    def execute(self, batch: ModelBatch) -> ModelOutput:
+        """`execute_model` then `sample_tokens` without a bitmask."""
 
     def execute_dummy(self) -> None:
         """A forward on a tiny batch, so DP ranks with no work stay in step."""

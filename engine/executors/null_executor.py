@@ -33,10 +33,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from wavecore.engine.errors import WeightUpdateError, WeightUpdateRefusedError
 from wavecore.engine.executors.batch import (
     EXECUTOR_TAGS,
     ExecutorMemory,
+    GrammarBitmask,
     ModelBatch,
     ModelOutput,
     SequenceChunk,
@@ -48,6 +51,16 @@ from wavecore.engine.scheduler.fast_build import build_sampled
 
 # `token_shift`, one float32.
 _TOKEN_SHIFT_BYTES = 4
+
+
+def _first_allowed(words: np.ndarray, token: int, vocab_size: int) -> int:
+    """The first token at or after `token` (wrapping) that the packed row allows; `token`
+    itself when the row allows none."""
+    allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size])
+    if allowed.size == 0:
+        return token
+    at = int(np.searchsorted(allowed, token))
+    return int(allowed[at % allowed.size])
 
 
 class KVCacheMismatchError(RuntimeError):
@@ -163,40 +176,56 @@ class NullExecutor:
         return _past_eos(token, self.vocab_size, self.eos_token_id)
 
     def execute(self, batch: ModelBatch) -> ModelOutput:
+        return self.sample_tokens(self.execute_model(batch), None)
+
+    def execute_model(self, batch: ModelBatch) -> ModelBatch:
+        """Check (and with `track_kv` write) the batch's KV; the "logits" are the batch."""
         started = time.perf_counter()
         self._check_awake("execute")
         block_size = self._block_size
-        vocab_size = self.vocab_size
-        eos = self.eos_token_id
-        shift = self._token_shift + 1
-        plain = self.eos_at_output is None
-        track_kv = self.track_kv
-        sampled = []
         num_tokens = 0
         for chunk in batch.chunks:
-            token_ids = chunk.token_ids
-            count = len(token_ids)
-            position = chunk.start_pos + count
-            num_tokens += count
+            position = chunk.start_pos + len(chunk.token_ids)
+            num_tokens += len(chunk.token_ids)
             if len(chunk.block_table) * block_size < position:
                 raise ValueError(
                     f"request {chunk.request_id!r}: block table of {len(chunk.block_table)} "
                     f"blocks does not cover position {position - 1}"
                 )
-            if track_kv:
+            if self.track_kv:
                 self._check_and_write_kv(chunk)
-            if chunk.sample:
-                if plain:
-                    token = (token_ids[-1] * 1000003 + position * 7919 + shift) % vocab_size
-                    if token == eos:
-                        token = (token + 1) % vocab_size
-                else:
-                    token = self.next_token(chunk)
-                sampled.append(build_sampled(chunk.request_id, token))
         self.num_steps += 1
         self.num_tokens += num_tokens
         if self.step_seconds:
             time.sleep(max(0.0, started + self.step_seconds - time.perf_counter()))
+        return batch
+
+    def sample_tokens(self, forward: object, bitmask: GrammarBitmask | None) -> ModelOutput:
+        """Each sampling chunk's deterministic token; in a row `bitmask` constrains, the
+        first allowed token at or after it (wrapping around the vocabulary)."""
+        if not isinstance(forward, ModelBatch):
+            raise TypeError(f"sample_tokens takes what execute_model returned, got {forward!r}")
+        vocab_size = self.vocab_size
+        eos = self.eos_token_id
+        shift = self._token_shift + 1
+        plain = self.eos_at_output is None
+        sampled = []
+        for chunk in forward.chunks:
+            if not chunk.sample:
+                continue
+            if plain:
+                token_ids = chunk.token_ids
+                position = chunk.start_pos + len(token_ids)
+                token = (token_ids[-1] * 1000003 + position * 7919 + shift) % vocab_size
+                if token == eos:
+                    token = (token + 1) % vocab_size
+            else:
+                token = self.next_token(chunk)
+            sampled.append(build_sampled(chunk.request_id, token))
+        if bitmask is not None:
+            for row, words in zip(bitmask.rows, bitmask.words, strict=True):
+                token = _first_allowed(words, sampled[row].token_id, vocab_size)
+                sampled[row] = build_sampled(sampled[row].request_id, token)
         return ModelOutput(sampled=tuple(sampled))
 
     def execute_dummy(self) -> None:

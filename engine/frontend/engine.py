@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
@@ -127,6 +127,8 @@ class FrontEnd:
         # caller's id -> it): the lost rank's last outputs may still be on their way.
         self._resent_as: dict[str, str] = {}
         self._held: dict[str, str] = {}
+        # Structured-output requests accepted, per kind (`EngineStats`, /metrics).
+        self._structured_requests: Counter[str] = Counter()
         self._calls: dict[int, _Call] = {}
         self._call_ids = itertools.count()
         self._outbox: deque[tuple[int, Any]] = deque()
@@ -184,6 +186,11 @@ class FrontEnd:
         """Stream one request's output; see `interface.Engine.generate`."""
         self._check_open()
         params = params if params is not None else SamplingParams()
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            # Before the checks below: nothing waits between them and the send.
+            await self._inputs.check_structured_outputs(params.structured_outputs)
+            self._check_open()
+            self._structured_requests[params.structured_outputs.kind] += 1
         request_id = request_id if request_id is not None else f"req-{next(_request_numbers)}"
         if request_id in self._streams or request_id in self._resent_as:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
@@ -335,6 +342,7 @@ class FrontEnd:
             engines_running=running,
             held=dict(self._held),
             requests_per_rank=tuple(self._requests_per_rank),
+            structured_requests=dict(self._structured_requests),
         )
 
     # -- weights ---------------------------------------------------------------------
@@ -615,6 +623,7 @@ class FrontEnd:
     def _on_step_outputs(self, message: m.StepOutputs) -> None:
         logprobs = {entry.request_id: entry.entries for entry in message.logprobs}
         finished = message.finished
+        errors = message.errors
         token_ids = message.token_ids
         version = self._weights.version_of(message.rank)
         position = 0
@@ -626,6 +635,11 @@ class FrontEnd:
                 continue
             if self._held:
                 self._held.pop(request_id, None)
+            error = errors.get(request_id)
+            if error is not None:  # its grammar failed on the rank
+                stream.end_with_error(error)
+                self._finished(request_id)
+                continue
             update = _request_update(
                 stream.request_id,  # the caller's (a request sent again travels under another)
                 new_tokens,

@@ -1,22 +1,51 @@
 """Turns what a caller passes to `generate` into a validated `EngineRequest`.
 
 Every check happens here, on the caller's own call, so a bad request raises there and
-never reaches the engine loop or disturbs the requests already in flight.
+never reaches the engine loop or disturbs the requests already in flight. A structured
+output spec is compiled once to see that it compiles (in a worker thread: a large
+grammar takes a while); specs found good are remembered.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+
+import anyio.to_thread
 
 from wavecore.engine.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
 from wavecore.engine.request import EngineRequest, Prompt, PromptTokenizer
 from wavecore.engine.sampling_params import SamplingParams
+from wavecore.engine.structured.grammars import GrammarError, check_spec
+from wavecore.engine.structured_outputs import StructuredOutputs
+
+# Specs known to compile, remembered so a repeated schema costs nothing.
+_CHECKED_SPECS = 1024
 
 
 class InputProcessor:
     def __init__(self, tokenizer: PromptTokenizer, *, max_model_len: int) -> None:
         self._tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self._checked: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    async def check_structured_outputs(self, spec: StructuredOutputs) -> None:
+        """Raise `InvalidRequestError` naming the field unless `spec` compiles."""
+        if not isinstance(spec, StructuredOutputs):
+            raise InvalidRequestError(
+                f"structured_outputs must be a StructuredOutputs, got {type(spec).__name__}"
+            )
+        key = spec.key
+        if key in self._checked:
+            self._checked.move_to_end(key)
+        else:
+            try:
+                await anyio.to_thread.run_sync(check_spec, spec)
+            except GrammarError as error:
+                raise InvalidRequestError(str(error)) from None
+            self._checked[key] = None
+            if len(self._checked) > _CHECKED_SPECS:
+                self._checked.popitem(last=False)
 
     def prepare(self, request_id: str, prompt: Prompt, params: SamplingParams) -> EngineRequest:
         if not isinstance(request_id, str) or not request_id:

@@ -24,6 +24,7 @@ from wavecore.engine.errors import WeightUpdateRefusedError
 from wavecore.engine.executors.batch import (
     EXECUTOR_TAGS,
     ExecutorMemory,
+    GrammarBitmask,
     ModelBatch,
     ModelOutput,
     SampledToken,
@@ -43,6 +44,7 @@ from wavecore.engine.model.source import ModelSource
 from wavecore.engine.model.weight_format import WeightFormat, check_weight_format
 from wavecore.engine.model.weight_update import stage_weights, weight_shapes
 from wavecore.engine.model.weights import ModelWeights
+from wavecore.engine.sampling.grammar_mask import apply_grammar_bitmask
 from wavecore.engine.sampling_params import SamplingParams
 
 DeviceSpec = Literal["cpu", "cuda", "auto"] | str | torch.device
@@ -87,6 +89,14 @@ def _use_all_cores() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if cores and torch.get_num_threads() < cores:
         torch.set_num_threads(cores)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Forward:
+    """A forward pass's batch and its sampling rows' logits, waiting to be sampled."""
+
+    batch: ModelBatch
+    logits: torch.Tensor
 
 
 class ModelExecutor:
@@ -209,11 +219,24 @@ class ModelExecutor:
     # -- running ----------------------------------------------------------------------
 
     def execute(self, batch: ModelBatch) -> ModelOutput:
-        sampling = [chunk for chunk in batch.chunks if chunk.sample]
-        logits = self.compute_logits(batch)
+        return self.sample_tokens(self.execute_model(batch), None)
+
+    def execute_model(self, batch: ModelBatch) -> Forward:
+        """The forward pass (upstream's `execute_model`); sampling is `sample_tokens`."""
+        return Forward(batch=batch, logits=self.compute_logits(batch))
+
+    def sample_tokens(self, forward: object, bitmask: GrammarBitmask | None) -> ModelOutput:
+        """Sample the forward's rows, each structured row among what its grammar allows;
+        the logprobs are then those of the constrained distribution."""
+        if not isinstance(forward, Forward):
+            raise TypeError(f"sample_tokens takes what execute_model returned, got {forward!r}")
+        sampling = [chunk for chunk in forward.batch.chunks if chunk.sample]
         if not sampling:
             return ModelOutput(sampled=())
+        logits = forward.logits
         with torch.inference_mode():
+            if bitmask is not None:
+                apply_grammar_bitmask(logits, bitmask)  # the logits are this step's own
             return ModelOutput(sampled=tuple(self._sampler.sample(logits, sampling)))
 
     def compute_logits(self, batch: ModelBatch) -> torch.Tensor:

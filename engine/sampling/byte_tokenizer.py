@@ -28,6 +28,11 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return EOS_TOKEN_ID + 1
 
+    @property
+    def token_bytes(self) -> list[bytes]:
+        """Each token's bytes, by id (what a grammar engine matches against)."""
+        return [bytes([i]) for i in range(EOS_TOKEN_ID)] + [EOS_TEXT.encode()]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # There is no BOS, so `add_special_tokens` changes nothing.
         if not isinstance(text, str):

@@ -96,8 +96,8 @@ def build_sampled(request_id: str, token_id: int) -> SampledToken:
     return sampled
 
 
-_update_id, _update_tokens, _update_sampled, _update_finish = _slot_setters(
-    RequestUpdate, ("request_id", "new_token_ids", "sampled", "finish_reason")
+_update_id, _update_tokens, _update_sampled, _update_finish, _update_error = _slot_setters(
+    RequestUpdate, ("request_id", "new_token_ids", "sampled", "finish_reason", "error")
 )
 
 
@@ -106,10 +106,12 @@ def build_update(
     new_token_ids: tuple[int, ...],
     sampled: tuple[SampledToken, ...],
     finish_reason: FinishReason | None,
+    error: str | None = None,
 ) -> RequestUpdate:
     update = _new(RequestUpdate)
     _update_id(update, request_id)
     _update_tokens(update, new_token_ids)
     _update_sampled(update, sampled)
     _update_finish(update, finish_reason)
+    _update_error(update, error)
     return update

@@ -82,10 +82,12 @@ class RequestUpdate:
     `new_token_ids` are the tokens appended to the request this step (a stop or EOS
     token included), `sampled` the matching `SampledToken`s (log-probabilities).
     `finish_reason` is set when the request finished this step; it then holds no KV
-    blocks any more and will not appear again.
+    blocks any more and will not appear again. `error` says why a request finished
+    with `FinishReason.ERROR` (its grammar failed).
     """
 
     request_id: str
     new_token_ids: tuple[int, ...]
     sampled: tuple[SampledToken, ...]
     finish_reason: FinishReason | None
+    error: str | None = None

@@ -2,8 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.statemachines.request import RequestMachine, RequestState
+
+
+class Grammar(Protocol):
+    """What the scheduler asks of a request's grammar (`engine.structured.compiler`)."""
+
+    @property
+    def ready(self) -> bool:
+        """Compiled: the request may be admitted."""
+        ...
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past an output token; False if the grammar forbids it."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and allows nothing more."""
+        ...
 
 
 class Request:
@@ -14,12 +33,14 @@ class Request:
     being computed by the step in flight). `block_hashes` chains the prefix-cache hashes
     of the table's full, computed blocks. A stop is decided by `stop_token_ids` (EOS
     included unless ignored) once the request reaches `min_len` tokens, and a request
-    finishes for length at `max_len` tokens.
+    finishes for length at `max_len` tokens. `grammar` (structured output) is opaque
+    here: a `Grammar`, whose matcher accepts each output token in `update`.
     """
 
     __slots__ = (
         "block_hashes",
         "block_table",
+        "grammar",
         "machine",
         "max_len",
         "min_len",
@@ -39,8 +60,10 @@ class Request:
         sampling: SamplingParams,
         eos_token_id: int | None,
         max_sequence_len: int,
+        grammar: Grammar | None = None,
     ) -> None:
         self.request_id = request_id
+        self.grammar = grammar
         self.sampling = sampling
         self.token_ids = list(prompt_token_ids)
         self.prompt_len = len(self.token_ids)

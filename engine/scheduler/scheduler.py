@@ -39,6 +39,11 @@ Theory of operation:
   skips samples of requests that are no longer running. A freed request's block
   table is replaced, never cleared in place, because the batch in flight still
   holds the old list.
+- Structured output: a request whose grammar is still compiling (`Grammar.ready` is
+  false) stays where it is in `waiting` and is skipped by admission, so it holds back
+  no request behind it. `update()` hands each sampled token to the request's grammar:
+  a token it forbids ends the request with ERROR, a grammar that is complete ends it
+  with STOP (a stop token or `max_len` still end it first).
 - A request can always progress alone: prompts that could never fit are refused at
   `add`, and a request finishes with LENGTH at `min(max_model_len, KV pool tokens)`.
 """
@@ -71,7 +76,7 @@ from .errors import (
 from .fast_build import build_chunk, build_update
 from .outputs import RequestUpdate, SchedulerOutput, SchedulerStats
 from .pending_tokens import PLACEHOLDER, PendingTokens
-from .request import Request
+from .request import Grammar, Request
 
 _RUNNING = RequestState.RUNNING
 _PREEMPTED = RequestState.PREEMPTED
@@ -79,6 +84,7 @@ _SCHEDULE = Schedule()
 _PREEMPT = Preempt()
 _STOP = FinishReason.STOP
 _LENGTH = FinishReason.LENGTH
+_ERROR = FinishReason.ERROR
 
 
 class Scheduler:
@@ -169,7 +175,11 @@ class Scheduler:
     # -- requests in and out -------------------------------------------------------
 
     def add(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        grammar: Grammar | None = None,
     ) -> None:
         """Queue a new request. Raises before changing anything if it is invalid."""
         if not isinstance(request_id, str) or not request_id:
@@ -200,6 +210,7 @@ class Scheduler:
             sampling=sampling,
             eos_token_id=self.config.eos_token_id,
             max_sequence_len=self._max_sequence_len,
+            grammar=grammar,
         )
         self._requests[request_id] = request
         self._waiting.append(request)
@@ -386,16 +397,25 @@ class Scheduler:
             length = len(tokens)
             if caching and request.num_computed_tokens // block_size > len(request.block_hashes):
                 self._cache_blocks(request)
+            error = None
             if token_id in request.stop_token_ids and length >= request.min_len:
                 reason = _STOP
+            elif request.grammar is not None and not request.grammar.accept(token_id):
+                reason = _ERROR
+                error = f"request {request.request_id!r}: token {token_id} breaks its grammar"
             elif length >= request.max_len:
                 reason = _LENGTH
+            elif request.grammar is not None and request.grammar.is_terminated():
+                reason = _STOP
             else:
                 reason = None
             if reason is not None:
                 self._release(request, reason)
                 any_finished = True
-            updates.append(build_update(request.request_id, (token_id,), (sample,), reason))
+            if error is None:
+                updates.append(build_update(request.request_id, (token_id,), (sample,), reason))
+            else:  # the forbidden token is not output
+                updates.append(build_update(request.request_id, (), (), reason, error))
         if any_finished:
             self._running = [r for r in self._running if r.machine.state is _RUNNING]
         return updates
@@ -411,10 +431,14 @@ class Scheduler:
         block_manager = self.block_manager
         max_num_seqs = self.config.max_num_seqs
         new_allowed = self._pause is None
+        compiling: list[Request] = []
         while waiting and budget > 0 and len(running) < max_num_seqs:
             request = waiting[0]
             if not new_allowed and request.machine.state is not _PREEMPTED:
                 break
+            if request.grammar is not None and not request.grammar.ready:
+                compiling.append(waiting.popleft())  # put back in place below
+                continue
             tokens = request.token_ids
             hit = block_manager.lookup_prefix(tokens)
             computed = hit.num_tokens
@@ -444,6 +468,7 @@ class Scheduler:
             )
             requests.append(request)
             budget -= end - computed
+        waiting.extendleft(reversed(compiling))
         return budget, num_sampled
 
     def _output(

@@ -31,9 +31,10 @@ _E2E_BUCKETS = (
 )  # fmt: skip
 
 
-class _PrefixCacheCounters(Collector):
-    """Each rank's prefix-cache counters as of the last scrape's stats: they count in the
-    ranks, so they are reported as they stand rather than incremented here."""
+class _EngineCounters(Collector):
+    """Counters kept by the engine (each rank's prefix cache and grammar compiles, the
+    front end's structured-output requests per kind) as of the last scrape's stats:
+    they count there, so they are reported as they stand rather than incremented here."""
 
     def __init__(self, model_name: str) -> None:
         self._model = model_name
@@ -49,12 +50,35 @@ class _PrefixCacheCounters(Collector):
         hits = CounterMetricFamily(
             "wavecore:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels=labels
         )
-        for rank in self.stats.ranks if self.stats is not None else ():
+        compiles = CounterMetricFamily(
+            "wavecore:grammar_compiles",
+            "Structured-output grammars compiled (compile-cache hits excluded).",
+            labels=labels,
+        )
+        compile_seconds = CounterMetricFamily(
+            "wavecore:grammar_compile_seconds",
+            "Seconds spent compiling structured-output grammars.",
+            labels=labels,
+        )
+        structured = CounterMetricFamily(
+            "wavecore:structured_output_requests",
+            "Requests with structured output, by kind.",
+            labels=["model_name", "kind"],
+        )
+        stats = self.stats
+        for rank in stats.ranks if stats is not None else ():
             rank_labels = [self._model, str(rank.rank)]
             queries.add_metric(rank_labels, rank.core.prefix_cache_queries)
             hits.add_metric(rank_labels, rank.core.prefix_cache_hits)
+            compiles.add_metric(rank_labels, rank.core.grammar_compiles)
+            compile_seconds.add_metric(rank_labels, rank.core.grammar_compile_seconds)
+        for kind, count in sorted(stats.structured_requests.items()) if stats is not None else ():
+            structured.add_metric([self._model, kind], count)
         yield queries
         yield hits
+        yield compiles
+        yield compile_seconds
+        yield structured
 
 
 class ServerMetrics:
@@ -104,8 +128,8 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        self._prefix_cache = _PrefixCacheCounters(model_name)
-        self.registry.register(self._prefix_cache)
+        self._engine_counters = _EngineCounters(model_name)
+        self.registry.register(self._engine_counters)
         self._ttft = Histogram(
             "wavecore:time_to_first_token_seconds",
             "Time to first token.",
@@ -146,7 +170,7 @@ class ServerMetrics:
         """The text format, with the scheduler gauges taken from `stats` (none without)."""
         for gauge in (self._running, self._waiting, self._kv_usage, self._prefix_hit_rate):
             gauge.clear()  # a rank removed by a scale must not linger
-        self._prefix_cache.stats = stats
+        self._engine_counters.stats = stats
         for rank in stats.ranks if stats is not None else ():
             labels = (self._model, str(rank.rank))
             self._running.labels(*labels).set(rank.core.num_running)

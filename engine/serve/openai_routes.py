@@ -16,9 +16,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from wavecore.engine.errors import InvalidRequestError
 from wavecore.engine.serve.bodies import read_json
 from wavecore.engine.serve.choices import Choice, ChoiceEvent, prepare_choices, run_choices
-from wavecore.engine.serve.errors import APIError
+from wavecore.engine.serve.errors import APIError, bad_field
 from wavecore.engine.serve.formatting import (
     SSE_DONE,
     ChoiceResult,
@@ -71,6 +72,12 @@ async def _generate(state: ServerState, request: Request, kind: CallKind) -> Res
     ready = state.ready()
     body = await read_json(request, state.options.max_request_bytes)
     call = parse_call(kind, body, state.options.model_name)
+    spec = call.params.structured_outputs
+    if spec is not None:
+        try:
+            await ready.inputs.check_structured_outputs(spec)
+        except InvalidRequestError as error:
+            raise bad_field(call.structured_field or "structured_outputs", str(error)) from None
     call_id = f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}"
     choices = prepare_choices(ready, call, call_id)
     state.admit(len(choices))

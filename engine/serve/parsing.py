@@ -8,6 +8,7 @@ nobody here knows (client extensions) are ignored, as upstream servers do.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from typing import Any, Literal
 from wavecore.engine.request import Prompt
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.serve.errors import APIError, bad_field
+from wavecore.engine.structured_outputs import KINDS, StructuredOutputs
 
 CallKind = Literal["completion", "chat"]
 
@@ -41,7 +43,6 @@ _UNSUPPORTED: Mapping[str, tuple[object, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 _MAX_N = 128
 _FIELD_OF_ERROR = re.compile(r"SamplingParams\.(\w+)")
@@ -64,6 +65,9 @@ class GenerationCall:
     include_usage: bool
     echo: bool
     logprobs: bool
+    # The body field that asked for structured output ("response_format" or
+    # "structured_outputs"), named by a 400 when its grammar does not compile.
+    structured_field: str | None = None
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -102,6 +106,9 @@ def parse_call(kind: CallKind, body: Mapping[str, Any], model_name: str) -> Gene
         wanted_logprobs = _chat_logprobs(body)
     n = _int(body, "n", low=1, high=_MAX_N)
     params = _sampling_params(kind, body, max_tokens, wanted_logprobs)
+    structured_field, spec = _structured_outputs(body)
+    if spec is not None:
+        params = dataclasses.replace(params, structured_outputs=spec)
     return GenerationCall(
         kind=kind,
         prompts=prompts,
@@ -112,6 +119,7 @@ def parse_call(kind: CallKind, body: Mapping[str, Any], model_name: str) -> Gene
         include_usage=include_usage,
         echo=echo,
         logprobs=wanted_logprobs is not None,
+        structured_field=structured_field,
     )
 
 
@@ -252,6 +260,61 @@ def _named(kind: CallKind, message: str) -> APIError:
     if kind == "chat" and field == "max_tokens":
         field = "max_completion_tokens"
     return bad_field(field, message.replace("SamplingParams.", ""))
+
+
+def _structured_outputs(body: Mapping[str, Any]) -> tuple[str | None, StructuredOutputs | None]:
+    """OpenAI's `response_format` or upstream's `structured_outputs`, at most one; a bad
+    one is a 400 naming the field (whether it compiles is asked on generate)."""
+    response_format = body.get("response_format")
+    if response_format in (None, {"type": "text"}):
+        response_format = None
+    fields = body.get("structured_outputs")
+    if response_format is not None and fields is not None:
+        raise bad_field("structured_outputs", "cannot be combined with response_format")
+    if response_format is not None:
+        return "response_format", _response_format(response_format)
+    if fields is None:
+        return None, None
+    if not isinstance(fields, dict):
+        raise bad_field("structured_outputs", f"must be an object with one of {', '.join(KINDS)}")
+    unknown = sorted(set(fields) - set(KINDS))
+    if unknown:
+        raise bad_field("structured_outputs", f"unknown fields {unknown}; known: {list(KINDS)}")
+    chosen = {name: value for name, value in fields.items() if value is not None}
+    if "json_object" in chosen and not isinstance(chosen["json_object"], bool):
+        raise bad_field("structured_outputs.json_object", "must be a boolean")
+    return "structured_outputs", _spec("structured_outputs", chosen)
+
+
+def _response_format(value: object) -> StructuredOutputs:
+    if not isinstance(value, dict):
+        raise bad_field("response_format", "must be an object with a 'type'")
+    kind = value.get("type")
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind != "json_schema":
+        raise bad_field(
+            "response_format.type",
+            f"must be 'text', 'json_object' or 'json_schema', got {json.dumps(kind)}",
+        )
+    described = value.get("json_schema")
+    if not isinstance(described, dict):
+        raise bad_field("response_format.json_schema", "must be an object with a 'schema'")
+    if not isinstance(described.get("name", ""), str):
+        raise bad_field("response_format.json_schema.name", "must be a string")
+    if not isinstance(described.get("strict", False), bool | None):
+        raise bad_field("response_format.json_schema.strict", "must be a boolean")
+    schema = described.get("schema")
+    if not isinstance(schema, dict | bool):
+        raise bad_field("response_format.json_schema.schema", "must be a JSON schema (an object)")
+    return _spec("response_format.json_schema.schema", {"json": schema})
+
+
+def _spec(field: str, chosen: dict[str, Any]) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(**chosen)
+    except (TypeError, ValueError) as error:
+        raise bad_field(field, str(error).replace("StructuredOutputs.", "")) from None
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:

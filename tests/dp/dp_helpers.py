@@ -17,7 +17,7 @@ from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.dp.client import DPClient
 from wavecore.engine.dp.launcher import DPWiring
-from wavecore.engine.executors.batch import ModelBatch, ModelOutput
+from wavecore.engine.executors.batch import ModelBatch
 from wavecore.engine.executors.null_executor import null_continuation
 from wavecore.engine.frontend.engine import FrontEnd
 from wavecore.engine.interface import Engine
@@ -77,10 +77,10 @@ class _ExplodingExecutor:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def execute(self, batch: ModelBatch) -> ModelOutput:
+    def execute_model(self, batch: ModelBatch) -> object:
         if any(chunk.request_id.startswith("explode") for chunk in batch.chunks):
             raise RuntimeError("injected failure in the model step")
-        return self._inner.execute(batch)
+        return self._inner.execute_model(batch)
 
 
 def build_exploding_core(config: EngineConfig) -> EngineCore:

@@ -35,7 +35,7 @@ from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.dp.heartbeat import FRONT_END_LOST_EXIT
 from wavecore.engine.errors import EngineDeadError
-from wavecore.engine.executors.batch import ModelBatch, ModelOutput
+from wavecore.engine.executors.batch import ModelBatch
 from wavecore.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.anyio
@@ -79,10 +79,10 @@ class _SlowExecutor:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def execute(self, batch: ModelBatch) -> ModelOutput:
+    def execute_model(self, batch: ModelBatch) -> object:
         if any(chunk.request_id.startswith("slow") for chunk in batch.chunks):
             time.sleep(SLOW_STEP_S)
-        return self._inner.execute(batch)
+        return self._inner.execute_model(batch)
 
 
 def build_slow_core(config: EngineConfig) -> EngineCore:

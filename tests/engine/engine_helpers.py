@@ -8,7 +8,7 @@ from typing import Any
 
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
-from wavecore.engine.executors.batch import ModelBatch, ModelOutput
+from wavecore.engine.executors.batch import ModelBatch
 from wavecore.engine.executors.null_executor import NullExecutor
 from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
 
@@ -30,12 +30,12 @@ class ControlledExecutor(NullExecutor):
         self.gate.set()
         self.fail_with: Exception | None = None
 
-    def execute(self, batch: ModelBatch) -> ModelOutput:
+    def execute_model(self, batch: ModelBatch) -> object:
         self.entered.set()
         self.gate.wait()
         if self.fail_with is not None:
             raise self.fail_with
-        return super().execute(batch)
+        return super().execute_model(batch)
 
 
 def core_with(executor: ControlledExecutor, **config: Any) -> EngineCore:

@@ -18,7 +18,7 @@ from wavecore.engine import messages as m
 from wavecore.engine.api import open_engine_core
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
-from wavecore.engine.executors.batch import ModelBatch, ModelOutput
+from wavecore.engine.executors.batch import ModelBatch
 from wavecore.engine.executors.null_executor import NullExecutor, null_continuation
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.statemachines import RankMachine, StepDone
@@ -44,12 +44,12 @@ class RecordingExecutor(NullExecutor):
         )
         self.hooks: dict[tuple[str, int], Callable[[], None]] = {}
 
-    def execute(self, batch: ModelBatch) -> ModelOutput:
+    def execute_model(self, batch: ModelBatch) -> object:
         for chunk in batch.chunks:
             hook = self.hooks.pop((chunk.request_id, chunk.num_output_tokens), None)
             if chunk.sample and hook is not None:
                 hook()
-        return super().execute(batch)
+        return super().execute_model(batch)
 
 
 def core_of(executor: NullExecutor, *, queue: bool, **config: Any) -> EngineCore:
