@@ -59,6 +59,11 @@ class InProcessClient:
         self._from_rank = from_rank
 
     @property
+    def core(self) -> EngineCore:
+        """The rank's core (for benchmarks that time its parts where they run)."""
+        return self._core
+
+    @property
     def dp_size(self) -> int:
         return 1
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -347,3 +348,51 @@ def test_flags_every_rank_shares_reach_the_engine_configuration(command: str) ->
     assert (config.on_rank_failure, config.async_scheduling) == ("shrink", True)
     default = _engine_config(build_parser().parse_args([command, *rank_args]))
     assert (default.on_rank_failure, default.async_scheduling) == ("fail", False)
+
+
+def test_structured_output_flags_and_per_line_specs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--regex` (or `--choice`, `--json-schema`) constrains every prompt; a line's own
+    `structured_outputs` object overrides it."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "a plain line\n"
+        + json.dumps({"prompt": "pick", "structured_outputs": {"choice": ["left", "right"]}})
+        + "\n"
+    )
+    output = tmp_path / "out.jsonl"
+    status, _, err = run_cli(
+        [
+            "generate", "--executor", "null", "--max-tokens", "40", "--regex", "[0-9]{3}-[a-z]{2}",
+            "--prompts-file", str(prompts), "--output", str(output),
+        ],
+        capsys,
+    )  # fmt: skip
+    assert status == 0, err
+    plain, pick = rows_by_index(output)
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", plain["text"]) and plain["finish_reason"] == "stop"
+    assert pick["text"] in ("left", "right")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"enum": ["on", "off"]}))
+    status, printed, err = run_cli(
+        generate_args("--prompt", "x", "--json-schema", str(schema)), capsys
+    )
+    assert status == 0 and ('"on"' in printed or '"off"' in printed), err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--regex", "(open"), "structured_outputs.regex: "),
+        (("--choice", ","), "choice must be a non-empty list"),
+        (("--json-schema", "/no/such/schema.json"), "--json-schema /no/such/schema.json: No such"),
+    ],
+)
+def test_a_bad_structured_output_flag_is_one_line_before_any_engine(
+    flags: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, printed, err = run_cli(generate_args("--prompt", "x", *flags), capsys)
+    assert status == 2 and printed == ""
+    [line] = error_lines(err)
+    assert line.startswith("wavecore generate: ") and message in line
