@@ -101,7 +101,7 @@ def _llguidance(tokenizer: Tokenizer, ids: list[int], quick: bool) -> dict[str, 
     masks = []
     for token in ids:
         started = time.perf_counter()
-        compute_bitmask([(0, cached)], tokenizer.vocab_size)
+        compute_bitmask([(0, cached, [])], tokenizer.vocab_size)
         masks.append(time.perf_counter() - started)
         cached.accept(token)
     batch = [compiler.start(spec) for _ in range(32)]
@@ -111,7 +111,7 @@ def _llguidance(tokenizer: Tokenizer, ids: list[int], quick: bool) -> dict[str, 
     batch_times = []
     for _ in range(5 if quick else 30):
         started = time.perf_counter()
-        compute_bitmask(list(enumerate(batch)), tokenizer.vocab_size)
+        compute_bitmask([(row, one, []) for row, one in enumerate(batch)], tokenizer.vocab_size)
         batch_times.append(time.perf_counter() - started)
     compiler.close()
     del llguidance, np

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from wavecore.engine.scheduler.speculative import SpeculativeConfig
+
 ExecutorKind = Literal["model", "null"]
 Device = Literal["cpu", "cuda", "auto"]
 DPMode = Literal["lockstep", "independent"]
@@ -66,6 +68,12 @@ class EngineConfig:
     `async_scheduling=True` turns on the batch queue: each rank schedules its next step
     while the current one runs, so the model never waits for the engine's Python
     (outputs are identical; see `engine/core/batch_queue.py`). Off by default.
+
+    `speculative_method="ngram"` turns on speculative decoding by prompt lookup: up to
+    `num_speculative_tokens` drafts per decode, from the request's own earlier tokens
+    (n-grams of `prompt_lookup_min` to `prompt_lookup_max` tokens), verified in one
+    forward; outputs are those of plain decoding (`engine/scheduler/speculative.py`).
+    Drafts are added only while a step holds at most `speculative_token_budget` tokens.
     """
 
     model: str | None = None
@@ -81,6 +89,11 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    speculative_token_budget: int = 16
     seed: int = 0
     dp_size: int = 1
     dp_mode: DPMode = "lockstep"
@@ -93,6 +106,19 @@ class EngineConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     restart_ranks: bool = False
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The speculative-decoding settings, None when it is off."""
+        if self.speculative_method is None:
+            return None
+        return SpeculativeConfig(
+            method=self.speculative_method,
+            num_speculative_tokens=self.num_speculative_tokens,
+            prompt_lookup_min=self.prompt_lookup_min,
+            prompt_lookup_max=self.prompt_lookup_max,
+            token_budget=self.speculative_token_budget,
+        )
 
     def __post_init__(self) -> None:
         if self.executor not in ("model", "null"):
@@ -129,6 +155,15 @@ class EngineConfig:
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(
                 f"EngineConfig.async_scheduling must be a bool, got {self.async_scheduling!r}"
+            )
+        try:
+            speculative = self.speculative
+        except ValueError as error:
+            raise ValueError(f"EngineConfig.{error}") from None
+        if speculative is not None and self.async_scheduling:
+            raise ValueError(
+                "EngineConfig.speculative_method: speculative decoding runs in the serial "
+                "loop and cannot be combined with async_scheduling (the batch queue) yet"
             )
         memory = self.kv_cache_memory
         if isinstance(memory, bool) or not isinstance(memory, int | float) or memory <= 0:

@@ -46,6 +46,12 @@ class CoreStats:
     # seconds those compiles took.
     grammar_compiles: int = 0
     grammar_compile_seconds: float = 0.0
+    # Speculative decoding (upstream's spec_decode counters): decodes verified with
+    # drafts, draft tokens, drafts accepted, and accepted drafts by position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

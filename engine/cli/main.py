@@ -45,6 +45,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             dp_mode=args.dp_mode,
             on_rank_failure=args.on_rank_failure,
             async_scheduling=args.async_scheduling,
+            speculative_method=args.speculative_method,
+            num_speculative_tokens=args.num_speculative_tokens,
+            prompt_lookup_min=args.prompt_lookup_min,
+            prompt_lookup_max=args.prompt_lookup_max,
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_timeout=args.heartbeat_timeout,
             restart_ranks=getattr(args, "restart_ranks", False),
@@ -344,6 +348,14 @@ def _add_rank_behaviour_flags(group: argparse._ActionsContainer) -> None:
         action="store_true",
         help="schedule the next step while the model runs the current one",
     )
+    group.add_argument(
+        "--speculative-method",
+        choices=["ngram"],
+        help="speculative decoding: 'ngram' drafts from the request's own earlier tokens",
+    )
+    group.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K")
+    group.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N")
+    group.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N")
     group.add_argument(
         "--heartbeat-interval",
         type=float,

@@ -67,6 +67,7 @@ class EngineCore:
                 enable_prefix_caching=config.enable_prefix_caching,
                 eos_token_id=eos_token_id,
                 async_scheduling=config.async_scheduling,
+                speculative=config.speculative,
             )
         )
         # Whether the rank runs its steps through the batch queue (`core.batch_queue`).
@@ -205,11 +206,10 @@ class EngineCore:
             rows = []
             row = 0
             for chunk, request in zip(step.batch.chunks, step.requests, strict=True):
-                if not chunk.sample:
-                    continue
-                if request.grammar is not None:
-                    rows.append((row, request.grammar))
-                row += 1
+                if request.grammar is not None and chunk.sample:
+                    drafts = list(chunk.token_ids[1:]) if chunk.num_draft_tokens else []
+                    rows.append((row, request.grammar, drafts))
+                row += chunk.num_samples
             slot.set_result(compute_bitmask(rows, self.grammars.vocab_size))
         except BaseException as error:  # the forward must not wait for ever
             slot.set_exception(error)
@@ -289,6 +289,7 @@ class EngineCore:
     def stats(self, *, paused: PauseMode | None, asleep: frozenset[str]) -> CoreStats:
         """This core's figures, with the protocol state the rank machine holds."""
         scheduler = self.scheduler.stats()
+        spec = self.scheduler.spec_counts
         memory = self.executor.memory()
         return CoreStats(
             num_waiting=scheduler.num_waiting,
@@ -307,6 +308,10 @@ class EngineCore:
             weight_version=self.weight_version,
             grammar_compiles=self.grammars.compiles,
             grammar_compile_seconds=self.grammars.compile_seconds,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(spec.accepted_per_position),
         )
 
     def close(self) -> None:

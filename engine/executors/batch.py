@@ -8,7 +8,7 @@ process, so token lists are shared by reference, never copied per step.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -30,6 +30,11 @@ class SequenceChunk:
     token is sampled after the last of `token_ids`. `all_token_ids` is the request's
     whole token list (prompt then outputs, `prompt_len` of the former), read by
     penalties, `min_tokens` and seeded sampling; the executor must not mutate it.
+
+    A decode with speculative drafts carries them as the last `num_draft_tokens` of
+    `token_ids` (not in `all_token_ids`): it samples at each of its last
+    `1 + num_draft_tokens` positions, each as plain decoding would with the drafts
+    before it as history (`sampling_rows`).
     """
 
     request_id: str
@@ -40,10 +45,16 @@ class SequenceChunk:
     sampling: SamplingParams
     all_token_ids: Sequence[int]
     prompt_len: int
+    num_draft_tokens: int = 0
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.prompt_len
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens sampled for this chunk: none, or one per verified position."""
+        return 1 + self.num_draft_tokens if self.sample else 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,9 +81,34 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
+def sampling_rows(chunks: Sequence[SequenceChunk]) -> list[SequenceChunk]:
+    """One chunk per sampled position, in batch order: a sampling chunk as it is, a
+    decode with k drafts as k + 1 chunks whose histories end with the drafts before
+    their position (what plain decoding would see there had the drafts been sampled)."""
+    rows: list[SequenceChunk] = []
+    for chunk in chunks:
+        if not chunk.sample:
+            continue
+        drafts = chunk.num_draft_tokens
+        if not drafts:
+            rows.append(chunk)
+            continue
+        history = list(chunk.all_token_ids)
+        verified = list(chunk.token_ids[-drafts:])
+        for position in range(drafts + 1):
+            rows.append(
+                replace(
+                    chunk,
+                    all_token_ids=(*history, *verified[:position]),
+                    num_draft_tokens=0,
+                )
+            )
+    return rows
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelOutput:
-    """One `SampledToken` per chunk with `sample=True`, in chunk order."""
+    """One `SampledToken` per sampling row (`sampling_rows`), in batch order."""
 
     sampled: tuple[SampledToken, ...]
 
@@ -81,7 +117,8 @@ class ModelOutput:
 class GrammarBitmask:
     """The tokens structured-output requests may sample this step.
 
-    `rows` are indices among the batch's sampling chunks (the rows of the logits);
+    `rows` are indices among the batch's sampling rows (`sampling_rows`, the rows of
+    the logits);
     `words[i]` packs the allowed tokens of row `rows[i]`, one bit per token id (bit
     `t % 32` of word `t // 32`). Rows not listed are unconstrained; token ids past the
     packed width are never allowed in a listed row.

@@ -17,6 +17,10 @@ records the token whose KV would be there. Every chunk first checks that its blo
 table already holds the request's earlier tokens (which catches a wrong prefix-cache
 hit, a block shared or freed too early, a bad block table), then writes its own.
 
+With `repeat_period=p` the position in that rule is taken modulo p, so a request's
+output falls into cycles, as a real model's copying from its input does: what
+speculative decoding's prompt lookup is for (its tests use it).
+
 With `step_seconds=t` every `execute` lasts `t` seconds: it sleeps what its own work
 left of them, releasing the GIL as a GPU's forward would. A stand-in for a model whose
 step takes a fixed time, to measure what the engine's Python costs around it
@@ -43,6 +47,7 @@ from wavecore.engine.executors.batch import (
     ModelBatch,
     ModelOutput,
     SequenceChunk,
+    sampling_rows,
 )
 from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosedError
 from wavecore.engine.executors.rpc import remote_callable
@@ -112,6 +117,7 @@ class NullExecutor:
         eos_at_output: int | None = None,
         track_kv: bool = False,
         step_seconds: float = 0.0,
+        repeat_period: int | None = None,
     ) -> None:
         _check_int("num_kv_blocks", num_kv_blocks, low=1)
         _check_int("block_size", block_size, low=1)
@@ -128,6 +134,8 @@ class NullExecutor:
             raise ValueError(f"NullExecutor step_seconds must be a number, got {step_seconds!r}")
         if step_seconds < 0:
             raise ValueError(f"NullExecutor step_seconds must be >= 0, got {step_seconds!r}")
+        if repeat_period is not None:
+            _check_int("repeat_period", repeat_period, low=1)
         if eos_at_output is not None:
             _check_int("eos_at_output", eos_at_output, low=0)
             if eos_token_id is None:
@@ -140,6 +148,7 @@ class NullExecutor:
         self.eos_at_output = eos_at_output
         self.track_kv = track_kv
         self.step_seconds = step_seconds
+        self.repeat_period = repeat_period
         self._weights_awake = True
         self._kv_awake = True
         self._token_shift = 0
@@ -166,13 +175,13 @@ class NullExecutor:
         return not (self._weights_awake and self._kv_awake)
 
     def next_token(self, chunk: SequenceChunk) -> int:
-        """The token this executor samples after `chunk` (which must sample)."""
+        """The token this executor samples after `chunk`, one of `sampling_rows`: it
+        follows the last token of the chunk's history, at the history's length."""
         if self.eos_at_output is not None and chunk.num_output_tokens == self.eos_at_output:
             return self.eos_token_id  # type: ignore[return-value]
-        token_ids = chunk.token_ids
-        token = null_next_token(
-            token_ids[-1], chunk.start_pos + len(token_ids), self.vocab_size, self._token_shift
-        )
+        history = chunk.all_token_ids
+        position = len(history) % self.repeat_period if self.repeat_period else len(history)
+        token = null_next_token(history[-1], position, self.vocab_size, self._token_shift)
         return _past_eos(token, self.vocab_size, self.eos_token_id)
 
     def execute(self, batch: ModelBatch) -> ModelOutput:
@@ -201,26 +210,29 @@ class NullExecutor:
         return batch
 
     def sample_tokens(self, forward: object, bitmask: GrammarBitmask | None) -> ModelOutput:
-        """Each sampling chunk's deterministic token; in a row `bitmask` constrains, the
-        first allowed token at or after it (wrapping around the vocabulary)."""
+        """Each sampling row's deterministic token (`next_token`); in a row `bitmask`
+        constrains, the first allowed token at or after it (wrapping around)."""
         if not isinstance(forward, ModelBatch):
             raise TypeError(f"sample_tokens takes what execute_model returned, got {forward!r}")
         vocab_size = self.vocab_size
         eos = self.eos_token_id
         shift = self._token_shift + 1
-        plain = self.eos_at_output is None
+        plain = self.eos_at_output is None and self.repeat_period is None
         sampled = []
         for chunk in forward.chunks:
             if not chunk.sample:
                 continue
-            if plain:
-                token_ids = chunk.token_ids
-                position = chunk.start_pos + len(token_ids)
-                token = (token_ids[-1] * 1000003 + position * 7919 + shift) % vocab_size
-                if token == eos:
-                    token = (token + 1) % vocab_size
-            else:
-                token = self.next_token(chunk)
+            if chunk.num_draft_tokens or not plain:
+                for row in sampling_rows((chunk,)):
+                    sampled.append(build_sampled(chunk.request_id, self.next_token(row)))
+                continue
+            # The common case inline (no drafts, no EOS rule): a chunk's last token is
+            # its history's last, at its history's length.
+            token_ids = chunk.token_ids
+            position = chunk.start_pos + len(token_ids)
+            token = (token_ids[-1] * 1000003 + position * 7919 + shift) % vocab_size
+            if token == eos:
+                token = (token + 1) % vocab_size
             sampled.append(build_sampled(chunk.request_id, token))
         if bitmask is not None:
             for row, words in zip(bitmask.rows, bitmask.words, strict=True):
@@ -329,9 +341,10 @@ class NullExecutor:
                     f"request {chunk.request_id!r}: position {position} holds token {held} "
                     f"in block {table[position // size]}, expected {history[position]}"
                 )
+        known = len(chunk.token_ids) - chunk.num_draft_tokens  # drafts are not history yet
         for offset, token in enumerate(chunk.token_ids):
             position = chunk.start_pos + offset
-            if token != history[position]:
+            if offset < known and token != history[position]:
                 raise KVCacheMismatchError(
                     f"request {chunk.request_id!r}: chunk token {token} at position {position} "
                     f"is not the request's token {history[position]}"

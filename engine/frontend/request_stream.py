@@ -52,7 +52,29 @@ class RequestStream:
     def process(self, update: RequestUpdate, weight_version: str | None = None) -> bool:
         """Take one step's output, produced by the weights `weight_version`. True when a
         stop string ended the request while the scheduler still runs it (the caller must
-        finish it there)."""
+        finish it there).
+
+        A step may bring several tokens (speculative decoding). With stop strings they
+        are taken one at a time, so a stop string ends the output at the token that
+        completes it, as plain decoding would, and later tokens are not output."""
+        tokens = update.new_token_ids
+        if len(tokens) < 2 or not self.request.params.stop:
+            return self._process(update, weight_version)
+        last = len(tokens) - 1
+        for index, token in enumerate(tokens):
+            single = RequestUpdate(
+                request_id=update.request_id,
+                new_token_ids=(token,),
+                sampled=update.sampled[index : index + 1],
+                finish_reason=update.finish_reason if index == last else None,
+            )
+            if self._process(single, weight_version):
+                return True
+            if self.finished:
+                break
+        return False
+
+    def _process(self, update: RequestUpdate, weight_version: str | None) -> bool:
         if self.finished:
             return False
         if self._has_output and weight_version != self._version:

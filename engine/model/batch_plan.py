@@ -174,7 +174,13 @@ def plan_forward(
         row += count
         last_row[chunk.request_id] = row - 1
 
-    sample_rows = [last_row[c.request_id] for c in chunks if c.sample]
+    # A decode with drafts samples at each of its last 1 + num_draft_tokens positions.
+    sample_rows = [
+        row
+        for c in chunks
+        if c.sample
+        for row in range(last_row[c.request_id] - c.num_draft_tokens, last_row[c.request_id] + 1)
+    ]
     return ForwardPlan(
         token_ids=torch.tensor(token_ids, dtype=torch.int64).to(device),
         positions=torch.from_numpy(np.concatenate(positions)).to(device),

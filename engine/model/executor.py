@@ -29,6 +29,7 @@ from wavecore.engine.executors.batch import (
     ModelOutput,
     SampledToken,
     SequenceChunk,
+    sampling_rows,
 )
 from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosedError
 from wavecore.engine.executors.rpc import remote_callable
@@ -230,7 +231,7 @@ class ModelExecutor:
         the logprobs are then those of the constrained distribution."""
         if not isinstance(forward, Forward):
             raise TypeError(f"sample_tokens takes what execute_model returned, got {forward!r}")
-        sampling = [chunk for chunk in forward.batch.chunks if chunk.sample]
+        sampling = sampling_rows(forward.batch.chunks)
         if not sampling:
             return ModelOutput(sampled=())
         logits = forward.logits
@@ -240,7 +241,7 @@ class ModelExecutor:
             return ModelOutput(sampled=tuple(self._sampler.sample(logits, sampling)))
 
     def compute_logits(self, batch: ModelBatch) -> torch.Tensor:
-        """One forward pass; float32 logits `[sampling chunks, vocab]` in batch order."""
+        """One forward pass; float32 logits `[sampling rows, vocab]` in batch order."""
         model, cache = self._ready()
         geometry = CacheGeometry(
             block_size=self._block_size,

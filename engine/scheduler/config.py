@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from wavecore.engine.executors.batch import Executor
 
+from .speculative import SpeculativeConfig
+
 
 def _check_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -22,6 +24,8 @@ class SchedulerConfig:
     `step % prefill_interval == 0`. `eos_token_id` finishes a request (STOP) unless its
     sampling says `ignore_eos`. `async_scheduling` allows two steps in flight: the next
     is scheduled before the last one's samples are known (the batch queue).
+    `speculative` turns on speculative decoding (`speculative.SpeculativeConfig`); it
+    runs in the serial loop only.
     """
 
     num_kv_blocks: int
@@ -33,6 +37,7 @@ class SchedulerConfig:
     prefill_interval: int = 1
     eos_token_id: int | None = None
     async_scheduling: bool = False
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -48,6 +53,14 @@ class SchedulerConfig:
             raise ValueError("SchedulerConfig.enable_prefix_caching must be a bool")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError("SchedulerConfig.async_scheduling must be a bool")
+        if self.speculative is not None:
+            if not isinstance(self.speculative, SpeculativeConfig):
+                raise ValueError("SchedulerConfig.speculative must be a SpeculativeConfig")
+            if self.async_scheduling:
+                raise ValueError(
+                    "speculative decoding runs in the serial loop: it cannot be combined "
+                    "with async_scheduling (the batch queue) yet"
+                )
         if self.eos_token_id is not None and (
             isinstance(self.eos_token_id, bool)
             or not isinstance(self.eos_token_id, int)

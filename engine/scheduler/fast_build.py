@@ -44,6 +44,7 @@ _new = object.__new__
     _chunk_sampling,
     _chunk_all,
     _chunk_prompt_len,
+    _chunk_drafts,
 ) = _slot_setters(
     SequenceChunk,
     (
@@ -55,6 +56,7 @@ _new = object.__new__
         "sampling",
         "all_token_ids",
         "prompt_len",
+        "num_draft_tokens",
     ),
 )
 
@@ -68,6 +70,7 @@ def build_chunk(
     sampling: SamplingParams,
     all_token_ids: list[int],
     prompt_len: int,
+    num_draft_tokens: int = 0,
 ) -> SequenceChunk:
     chunk = _new(SequenceChunk)
     _chunk_id(chunk, request_id)
@@ -78,6 +81,7 @@ def build_chunk(
     _chunk_sampling(chunk, sampling)
     _chunk_all(chunk, all_token_ids)
     _chunk_prompt_len(chunk, prompt_len)
+    _chunk_drafts(chunk, num_draft_tokens)
     return chunk
 
 

@@ -7,6 +7,8 @@ from typing import Protocol
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.statemachines.request import RequestMachine, RequestState
 
+from .speculative import Backoff
+
 
 class Grammar(Protocol):
     """What the scheduler asks of a request's grammar (`engine.structured.compiler`)."""
@@ -24,6 +26,10 @@ class Grammar(Protocol):
         """The grammar is complete and allows nothing more."""
         ...
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of these tokens, in order, the grammar would accept now."""
+        ...
+
 
 class Request:
     """Mutable bookkeeping for one request, owned by the scheduler.
@@ -38,6 +44,7 @@ class Request:
     """
 
     __slots__ = (
+        "backoff",
         "block_hashes",
         "block_table",
         "grammar",
@@ -64,6 +71,7 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.grammar = grammar
+        self.backoff = Backoff()
         self.sampling = sampling
         self.token_ids = list(prompt_token_ids)
         self.prompt_len = len(self.token_ids)

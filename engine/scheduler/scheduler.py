@@ -44,6 +44,13 @@ Theory of operation:
   no request behind it. `update()` hands each sampled token to the request's grammar:
   a token it forbids ends the request with ERROR, a grammar that is complete ends it
   with STOP (a stop token or `max_len` still end it first).
+- Speculative decoding (`config.speculative`, serial loop only): a decode may carry
+  drafts (`speculative`: proposals, verification, back-off). It is scheduled as its
+  last token plus k drafts, within the step's token budget, the request's `max_len`,
+  the blocks free without preempting anyone and, with a grammar, the drafts the
+  grammar accepts. `update()` accepts the drafts up to the first that differs from
+  the token sampled before it, then that token; stop rules apply token by token, and
+  `num_computed_tokens` falls back to the accepted tokens.
 - A request can always progress alone: prompts that could never fit are refused at
   `add`, and a request finishes with LENGTH at `min(max_model_len, KV pool tokens)`.
 """
@@ -53,7 +60,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from wavecore.engine.executors.batch import ModelBatch, ModelOutput, SequenceChunk
+from wavecore.engine.executors.batch import (
+    ModelBatch,
+    ModelOutput,
+    SampledToken,
+    SequenceChunk,
+)
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.statemachines.rank import PauseMode
 from wavecore.statemachines.request import (
@@ -77,6 +89,7 @@ from .fast_build import build_chunk, build_update
 from .outputs import RequestUpdate, SchedulerOutput, SchedulerStats
 from .pending_tokens import PLACEHOLDER, PendingTokens
 from .request import Grammar, Request
+from .speculative import NgramProposer, SpecDecodeCounts
 
 _RUNNING = RequestState.RUNNING
 _PREEMPTED = RequestState.PREEMPTED
@@ -111,6 +124,9 @@ class Scheduler:
         # async scheduling.
         self._in_flight: deque[SchedulerOutput] = deque()
         self._max_in_flight = 2 if config.async_scheduling else 1
+        spec = config.speculative
+        self._proposer = NgramProposer(spec) if spec is not None else None
+        self.spec_counts = SpecDecodeCounts(spec.num_speculative_tokens if spec else 0)
         self._last_stats = self._snapshot(step=0, num_seqs=0, num_tokens=0, num_preempted=0)
 
     # -- queries -------------------------------------------------------------------
@@ -293,6 +309,9 @@ class Scheduler:
         num_sampled = 0
         num_preempted = 0
 
+        # Room for drafts: a step's tokens beyond `token_budget` cost their full price.
+        spec = config.speculative
+        draft_room = spec.token_budget - len(running) if spec is not None else 0
         # Popping preempted victims off the end while iterating is safe: the iterator
         # stops at the shortened length, and victims are never already scheduled.
         for request in running:
@@ -303,9 +322,17 @@ class Scheduler:
             total = len(tokens)
             table = request.block_table
             history: Sequence[int] = tokens
+            num_drafts = 0
             if total - computed == 1:  # a decode
                 end = total
                 token_ids = (tokens[-1],)
+                if draft_room > 0 and request.backoff.may_draft():
+                    drafts = self._drafts(request, min(draft_room, budget - 1))
+                    if drafts:
+                        num_drafts = len(drafts)
+                        draft_room -= num_drafts
+                        end = total + num_drafts
+                        token_ids = (tokens[-1], *drafts)
             elif total == computed:  # its sample is in flight (async scheduling only)
                 if total + 1 >= request.max_len:
                     continue  # that sample finishes it by length
@@ -327,7 +354,7 @@ class Scheduler:
                 if request.machine.state is not _RUNNING:
                     break
                 block_manager.append(table, end)
-            sample = end == total
+            sample = end - num_drafts == total
             num_sampled += sample
             chunks.append(
                 build_chunk(
@@ -339,6 +366,7 @@ class Scheduler:
                     request.sampling,
                     history,
                     request.prompt_len,
+                    num_drafts,
                 )
             )
             requests.append(request)
@@ -367,11 +395,11 @@ class Scheduler:
             raise StepOrderError("update() got an output that is not the oldest step's in flight")
         samples = output.sampled
         chunks = scheduled.batch.chunks
-        expected = [chunk.request_id for chunk in chunks if chunk.sample]
+        expected = [chunk.request_id for chunk in chunks for _ in range(chunk.num_samples)]
         if [sample.request_id for sample in samples] != expected:
             raise OutputMismatchError(
                 f"the executor returned {len(samples)} samples for {len(expected)} sampling "
-                f"chunks, or in another order"
+                f"rows, or in another order"
             )
         in_flight.popleft()
 
@@ -387,40 +415,94 @@ class Scheduler:
                 if caching and request.machine.state is _RUNNING:
                     self._cache_blocks(request)
                 continue
-            sample = samples[sample_index]
-            sample_index += 1
+            count = chunk.num_samples
+            chunk_samples = samples[sample_index : sample_index + count]
+            sample_index += count
             if request.machine.state is not _RUNNING:
                 continue
-            token_id = sample.token_id
-            tokens = request.token_ids
-            tokens.append(token_id)
-            length = len(tokens)
+            if count > 1:
+                chunk_samples = self._verified(request, chunk, chunk_samples)
+            update = self._take_samples(request, chunk_samples)
+            if count > 1:  # the KV of rejected drafts is never used
+                request.num_computed_tokens = min(
+                    request.num_computed_tokens, len(request.token_ids) - 1
+                )
             if caching and request.num_computed_tokens // block_size > len(request.block_hashes):
                 self._cache_blocks(request)
-            error = None
-            if token_id in request.stop_token_ids and length >= request.min_len:
-                reason = _STOP
-            elif request.grammar is not None and not request.grammar.accept(token_id):
-                reason = _ERROR
-                error = f"request {request.request_id!r}: token {token_id} breaks its grammar"
-            elif length >= request.max_len:
-                reason = _LENGTH
-            elif request.grammar is not None and request.grammar.is_terminated():
-                reason = _STOP
-            else:
-                reason = None
-            if reason is not None:
-                self._release(request, reason)
+            if update.finish_reason is not None:
+                self._release(request, update.finish_reason)
                 any_finished = True
-            if error is None:
-                updates.append(build_update(request.request_id, (token_id,), (sample,), reason))
-            else:  # the forbidden token is not output
-                updates.append(build_update(request.request_id, (), (), reason, error))
+            updates.append(update)
         if any_finished:
             self._running = [r for r in self._running if r.machine.state is _RUNNING]
         return updates
 
     # -- internals -----------------------------------------------------------------
+
+    def _take_samples(self, request: Request, samples: Sequence[SampledToken]) -> RequestUpdate:
+        """Append the step's tokens to `request` one by one, stopping at the first that
+        finishes it; the update that says so (the request is not released here)."""
+        tokens = request.token_ids
+        grammar = request.grammar
+        taken = 0
+        reason = error = None
+        for sample in samples:
+            token_id = sample.token_id
+            if (
+                grammar is not None
+                and token_id not in request.stop_token_ids
+                and not grammar.accept(token_id)
+            ):  # the forbidden token is not output
+                reason = _ERROR
+                error = f"request {request.request_id!r}: token {token_id} breaks its grammar"
+                break
+            tokens.append(token_id)
+            taken += 1
+            length = len(tokens)
+            if token_id in request.stop_token_ids and length >= request.min_len:
+                reason = _STOP
+            elif length >= request.max_len:
+                reason = _LENGTH
+            elif grammar is not None and grammar.is_terminated():
+                reason = _STOP
+            if reason is not None:
+                break
+        if taken == 1 and error is None:
+            return build_update(request.request_id, (tokens[-1],), (samples[0],), reason)
+        return build_update(
+            request.request_id,
+            tuple(tokens[len(tokens) - taken :]),
+            tuple(samples[:taken]),
+            reason,
+            error,
+        )
+
+    def _drafts(self, request: Request, room: int) -> list[int]:
+        """Drafts for a decode of `request`: proposed, then cut to `room`, to what its
+        length allows, to what its grammar accepts and to the blocks free now."""
+        spec = self.config.speculative
+        tokens = request.token_ids
+        count = min(spec.num_speculative_tokens, room, request.max_len - len(tokens) - 1)
+        drafts = self._proposer.propose(tokens, count) if count > 0 else []
+        if drafts and request.grammar is not None:
+            del drafts[request.grammar.valid_prefix(drafts) :]
+        table = request.block_table
+        while drafts and not self.block_manager.can_append(table, len(tokens) + len(drafts)):
+            drafts.pop()
+        return drafts
+
+    def _verified(
+        self, request: Request, chunk: SequenceChunk, samples: Sequence[SampledToken]
+    ) -> Sequence[SampledToken]:
+        """The samples a decode with drafts emits: each draft that equals the token
+        sampled before it, then the first sampled token that differs (or the last)."""
+        drafts = chunk.token_ids[1:]
+        accepted = 0
+        while accepted < len(drafts) and samples[accepted].token_id == drafts[accepted]:
+            accepted += 1
+        request.backoff.verified(accepted)
+        self.spec_counts.record(len(drafts), accepted)
+        return samples[: accepted + 1]
 
     def _admit(
         self, chunks: list[SequenceChunk], requests: list[Request], budget: int, num_sampled: int

@@ -65,7 +65,35 @@ class _EngineCounters(Collector):
             "Requests with structured output, by kind.",
             labels=["model_name", "kind"],
         )
+        drafts = CounterMetricFamily(
+            "wavecore:spec_decode_num_drafts",
+            "Decodes verified with speculative drafts.",
+            labels=labels,
+        )
+        draft_tokens = CounterMetricFamily(
+            "wavecore:spec_decode_num_draft_tokens", "Draft tokens proposed.", labels=labels
+        )
+        accepted = CounterMetricFamily(
+            "wavecore:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels=labels
+        )
+        per_position = CounterMetricFamily(
+            "wavecore:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            labels=[*labels, "position"],
+        )
         stats = self.stats
+        for rank in stats.ranks if stats is not None else ():
+            core = rank.core
+            rank_labels = [self._model, str(rank.rank)]
+            drafts.add_metric(rank_labels, core.spec_decode_num_drafts)
+            draft_tokens.add_metric(rank_labels, core.spec_decode_num_draft_tokens)
+            accepted.add_metric(rank_labels, core.spec_decode_num_accepted_tokens)
+            for position, count in enumerate(core.spec_decode_accepted_per_position):
+                per_position.add_metric([*rank_labels, str(position)], count)
+        yield drafts
+        yield draft_tokens
+        yield accepted
+        yield per_position
         for rank in stats.ranks if stats is not None else ():
             rank_labels = [self._model, str(rank.rank)]
             queries.add_metric(rank_labels, rank.core.prefix_cache_queries)

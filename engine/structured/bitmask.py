@@ -23,20 +23,30 @@ def words_for(vocab_size: int) -> int:
 
 
 def compute_bitmask(
-    rows: Sequence[tuple[int, RequestGrammar]], vocab_size: int
+    rows: Sequence[tuple[int, RequestGrammar, list[int]]], vocab_size: int
 ) -> GrammarBitmask | None:
-    """The bitmask of these (sampling row, grammar) pairs, or None when there are none.
-
-    A grammar without a usable matcher (in error: the request ends at its update) gets
-    an all-allowed row, so its sample stays well defined."""
+    """The bitmask of these (first sampling row, grammar, drafts) triples, or None when
+    there are none. A grammar with k speculative drafts fills k + 1 rows from its first:
+    the tokens allowed next, then after each draft in turn (the matcher is left as it
+    was). A grammar without a usable matcher (in error: the request ends at its update)
+    gets all-allowed rows, so its samples stay well defined."""
     if not rows:
         return None
-    words = np.full((len(rows), words_for(vocab_size)), -1, dtype=np.int32)
-    live = [
-        (grammar.matcher, index)
-        for index, (_, grammar) in enumerate(rows)
-        if grammar.matcher is not None and not grammar.matcher.is_error()
-    ]
-    if live:
-        llguidance.numpy.fill_next_token_bitmask_par(_EXECUTOR, live, words)
-    return GrammarBitmask(rows=tuple(row for row, _ in rows), words=words)
+    indices = [first + offset for first, _, drafts in rows for offset in range(len(drafts) + 1)]
+    words = np.full((len(indices), words_for(vocab_size)), -1, dtype=np.int32)
+    plain: list[tuple[llguidance.LLMatcher, int]] = []
+    drafted: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+    position = 0
+    for _, grammar, drafts in rows:
+        matcher = grammar.matcher
+        if matcher is not None and not matcher.is_error():
+            if drafts:
+                drafted.append((matcher, position, drafts))
+            else:
+                plain.append((matcher, position))
+        position += len(drafts) + 1
+    if plain:
+        llguidance.numpy.fill_next_token_bitmask_par(_EXECUTOR, plain, words)
+    if drafted:
+        llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(_EXECUTOR, drafted, words)
+    return GrammarBitmask(rows=tuple(indices), words=words)

@@ -94,6 +94,11 @@ class RequestGrammar:
         """The grammar reached its end: nothing but EOS may follow."""
         return self.matcher is not None and self.matcher.is_stopped()
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of these tokens, in order, the grammar accepts now (speculative
+        drafts are cut there)."""
+        return 0 if self.matcher is None else self.matcher.validate_tokens(token_ids)
+
 
 class GrammarCompiler:
     """Compiles the grammars of one rank's requests; see the module docstring."""

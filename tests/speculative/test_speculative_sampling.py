@@ -1,0 +1,102 @@
+"""Speculative decoding leaves the sampling distribution as it is.
+
+A toy model over four tokens (the next token follows the last one's cycle with
+probability 0.55, each other with 0.15) is sampled at temperature 1 by the real
+sampler, N requests with speculation and N without. Prompt lookup drafts the cycle,
+which is right about half the time, so drafts are accepted and rejected at every
+position. The frequencies of each token at each output position must agree.
+
+The bound: by Hoeffding's inequality each of the 2 x 4 x 4 frequencies is within
+t = 0.04 of its probability except with probability 2 exp(-2 N t^2) (N = 3000:
+1.4e-4), so all of them are, except with probability 0.005 at most, and then two
+runs differ by at most 2t in every cell. A verifier that accepted every draft would
+push the cycle token's frequency from 0.55 towards 1. The runs use fixed seeds: the
+test is deterministic on a machine.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from wavecore.engine.config import EngineConfig
+from wavecore.engine.core.engine_core import EngineCore
+from wavecore.engine.executors.batch import GrammarBitmask, ModelBatch, ModelOutput, sampling_rows
+from wavecore.engine.executors.null_executor import NullExecutor
+from wavecore.engine.request import EngineRequest
+from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
+from wavecore.engine.sampling.sampler import Sampler
+from wavecore.engine.sampling_params import SamplingParams
+
+TOKENIZER = ByteTokenizer()
+REQUESTS = 3000
+OUTPUT = 5
+BOUND = 2 * 0.04
+CYCLE = 0.55
+
+
+class ToyModel(NullExecutor):
+    """The null executor's bookkeeping with a real sampler over toy logits."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            num_kv_blocks=8192,
+            block_size=16,
+            max_model_len=64,
+            vocab_size=TOKENIZER.vocab_size,
+            eos_token_id=TOKENIZER.eos_token_id,
+        )
+        self._sampler = Sampler(TOKENIZER.eos_token_id, seed=1234)
+        other = (1 - CYCLE) / 3
+        table = torch.full((4, TOKENIZER.vocab_size), float("-inf"))
+        for last in range(4):
+            table[last, :4] = torch.tensor(
+                [CYCLE if token == (last + 1) % 4 else other for token in range(4)]
+            ).log()
+        self._table = table
+
+    def sample_tokens(self, forward: object, bitmask: GrammarBitmask | None) -> ModelOutput:
+        assert isinstance(forward, ModelBatch)
+        rows = sampling_rows(forward.chunks)
+        if not rows:
+            return ModelOutput(sampled=())
+        logits = self._table[[row.all_token_ids[-1] % 4 for row in rows]]
+        return ModelOutput(sampled=self._sampler.sample(logits, rows))
+
+
+def frequencies(speculative: bool) -> list[Counter[int]]:
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 4} if speculative else {}
+    core = EngineCore(
+        executor=ToyModel(),
+        tokenizer=TOKENIZER,
+        config=EngineConfig(
+            executor="null", max_num_seqs=256, speculative_token_budget=1 << 16, **spec
+        ),
+        eos_token_id=TOKENIZER.eos_token_id,
+    )
+    params = SamplingParams(temperature=1.0, max_tokens=OUTPUT, ignore_eos=True)
+    for number in range(REQUESTS):
+        core.add_request(
+            EngineRequest(
+                request_id=str(number), prompt_token_ids=(0, 1, 2, 3, 0, 1, 2, 3, 0), params=params
+            )
+        )
+    outputs: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for update in core.step():
+            outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+    if speculative:
+        counts = core.scheduler.spec_counts
+        assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+    return [Counter(output[position] for output in outputs.values()) for position in range(OUTPUT)]
+
+
+def test_every_position_keeps_its_distribution() -> None:
+    plain, speculating = frequencies(False), frequencies(True)
+    for position in range(OUTPUT):
+        for token in range(4):
+            difference = abs(plain[position][token] - speculating[position][token]) / REQUESTS
+            assert difference <= BOUND, (position, token, plain[position], speculating[position])
+    # The toy model is what it says: after the prompt's last 0, its cycle goes on with 1.
+    assert abs(plain[0][1] / REQUESTS - CYCLE) <= BOUND / 2

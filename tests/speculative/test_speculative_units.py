@@ -1,0 +1,190 @@
+"""Speculative decoding's parts: prompt-lookup proposals, the back-off, the settings
+(each bad one its own error), and the scheduler with the null executor: the same
+tokens as plain decoding whatever is drafted, with the KV of rejected drafts never
+read (`track_kv`) nor cached."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from wavecore.engine.config import EngineConfig
+from wavecore.engine.core.engine_core import EngineCore
+from wavecore.engine.executors.null_executor import NullExecutor
+from wavecore.engine.request import EngineRequest
+from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
+from wavecore.engine.sampling_params import SamplingParams
+from wavecore.engine.scheduler.speculative import Backoff, NgramProposer, SpeculativeConfig
+
+TOKENIZER = ByteTokenizer()
+
+
+def proposer(low: int = 2, high: int = 4) -> NgramProposer:
+    return NgramProposer(SpeculativeConfig(prompt_lookup_min=low, prompt_lookup_max=high))
+
+
+def test_the_longest_suffix_found_earlier_proposes_what_followed_its_latest_occurrence() -> None:
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert proposer().propose(tokens, 3) == [7, 8, 5]  # "1 2 3" last seen before 7 8 5
+    assert proposer().propose(tokens, 1) == [7]
+    assert proposer().propose([4, 5, 6, 7], 3) == []  # nothing repeats
+    # A 4-gram wins over a 2-gram that occurs later.
+    tokens = [5, 6, 7, 8, 1, 0, 7, 8, 2, 5, 6, 7, 8]
+    assert proposer().propose(tokens, 2) == [1, 0]
+    assert proposer(low=2, high=2).propose(tokens, 2) == [2, 5]
+
+
+def test_matches_inside_a_token_are_not_matches() -> None:
+    """Token ids are packed as 4 bytes; a byte pattern found across a token boundary
+    must not count."""
+    tokens = [0x01000000, 0x02, 0x0100, 0x0200, 0x01, 0x02]
+    # The suffix [1, 2] appears nowhere earlier at a token boundary.
+    assert proposer().propose(tokens, 2) == []
+
+
+def test_back_off_after_two_empty_verifications_and_reset_on_acceptance() -> None:
+    backoff = Backoff()
+    backoff.verified(0)
+    assert backoff.may_draft()
+    backoff.verified(0)
+    assert [backoff.may_draft() for _ in range(3)] == [False, False, True]
+    backoff.verified(0)
+    assert [backoff.may_draft() for _ in range(5)] == [False] * 4 + [True]
+    backoff.verified(2)
+    backoff.verified(0)
+    assert backoff.may_draft()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"speculative_method": "medusa"}, "speculative_method must be one of"),
+        ({"speculative_method": "draft_model"}, "a draft model is not supported yet"),
+        ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"speculative_method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+        ({"speculative_method": "ngram", "prompt_lookup_min": 5}, "must not exceed"),
+        ({"speculative_method": "ngram", "prompt_lookup_max": 0}, "prompt_lookup_max"),
+        ({"speculative_method": "ngram", "speculative_token_budget": 1}, "token_budget"),
+        ({"speculative_method": "ngram", "async_scheduling": True}, "async_scheduling"),
+    ],
+)
+def test_each_bad_setting_is_refused_with_its_own_error(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=rf"EngineConfig\..*{message}"):
+        EngineConfig(executor="null", **fields)
+
+
+def core(speculative: bool, **config: Any) -> EngineCore:
+    executor = NullExecutor(
+        num_kv_blocks=config.pop("num_kv_blocks", 512),
+        block_size=4,
+        max_model_len=512,
+        vocab_size=TOKENIZER.vocab_size,
+        eos_token_id=TOKENIZER.eos_token_id,
+        eos_at_output=config.pop("eos_at_output", None),
+        track_kv=True,
+        repeat_period=6,
+    )
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 5} if speculative else {}
+    return EngineCore(
+        executor=executor,
+        tokenizer=TOKENIZER,
+        config=EngineConfig(executor="null", **spec, **config),
+        eos_token_id=TOKENIZER.eos_token_id,
+    )
+
+
+def run(core: EngineCore, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
+    for request_id, (prompt, params) in requests.items():
+        core.add_request(
+            EngineRequest(
+                request_id=request_id,
+                prompt_token_ids=tuple(TOKENIZER.encode(prompt)),
+                params=params,
+            )
+        )
+    out: dict[str, Any] = {}
+    while core.has_unfinished():
+        for update in core.step():
+            tokens, _ = out.get(update.request_id, ((), None))
+            out[update.request_id] = (tokens + update.new_token_ids, update.finish_reason)
+    return out
+
+
+class SpoilingProposer:
+    """Prompt lookup whose every other proposal has one draft changed, at a position
+    that moves from call to call."""
+
+    def __init__(self, inner: NgramProposer) -> None:
+        self._inner = inner
+        self._calls = 0
+
+    def propose(self, tokens: list[int], count: int) -> list[int]:
+        drafts = self._inner.propose(tokens, count)
+        self._calls += 1
+        if drafts and self._calls % 2:
+            position = (self._calls // 2) % len(drafts)
+            drafts[position] = (drafts[position] + 1) % 256
+        return drafts
+
+
+# Prompts that repeat, so drafts are found; the null executor's outputs repeat too
+# (its next token depends on the last token and the position only).
+REQUESTS = {
+    f"r{i}": (("abcd" * (i + 2)) + "xy" * i, SamplingParams(max_tokens=30 + i, ignore_eos=True))
+    for i in range(8)
+} | {
+    "min": ("abab" * 5, SamplingParams(max_tokens=20, min_tokens=10)),
+    "stop-token": ("cdcd" * 6, SamplingParams(max_tokens=40, stop_token_ids=(ord("d"),))),
+}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"num_kv_blocks": 40},  # preemption and recompute
+        {"enable_prefix_caching": False},
+        {"eos_at_output": 7},  # EOS inside an accepted run ends it there
+        {"max_num_batched_tokens": 7},  # drafts cut to the token budget
+    ],
+    ids=["roomy", "preempting", "no-prefix-cache", "eos", "small-budget"],
+)
+def test_speculation_changes_no_token_and_reads_no_rejected_kv(config: dict) -> None:
+    """Whatever is drafted: prompt lookup's drafts, with one of them spoiled every
+    other proposal (the cycling executor's own outputs are always predicted right),
+    so drafts are rejected at every position too."""
+    plain = run(core(False, **dict(config)), REQUESTS)
+    speculating = core(True, **dict(config), speculative_token_budget=4096)
+    speculating.scheduler._proposer = SpoilingProposer(speculating.scheduler._proposer)
+    assert run(speculating, REQUESTS) == plain
+    counts = speculating.scheduler.spec_counts
+    assert counts.num_drafts > 0 and 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+    assert sum(counts.accepted_per_position) == counts.num_accepted_tokens
+    # Nothing is leaked: every block is back, free or cached.
+    assert speculating.scheduler.block_manager.usage == 0.0
+
+
+def test_drafts_stay_within_the_token_budget() -> None:
+    """A step adds drafts only while its decodes leave room under the budget: none while
+    ten requests run, some once few are left."""
+    speculating = core(True, speculative_token_budget=4)
+    for request_id, (prompt, params) in REQUESTS.items():
+        speculating.add_request(
+            EngineRequest(
+                request_id=request_id,
+                prompt_token_ids=tuple(TOKENIZER.encode(prompt)),
+                params=params,
+            )
+        )
+    drafted_by_running: dict[int, int] = {}
+    while speculating.has_unfinished():
+        running = speculating.scheduler.num_running
+        step = speculating.schedule()
+        assert step is not None
+        drafted = sum(chunk.num_draft_tokens for chunk in step.batch.chunks)
+        assert drafted <= max(0, 4 - running)
+        drafted_by_running[running] = drafted_by_running.get(running, 0) + drafted
+        speculating.update(step, speculating.execute(step))
+    assert drafted_by_running[len(REQUESTS)] == 0
+    assert sum(drafted_by_running.values()) > 0
