@@ -1,6 +1,12 @@
 """Speculative decoding on the real model (SmolLM2-135M): greedy outputs identical to
 plain decoding at batch 1 and in a batch, structured output included, with drafts
-accepted on an input-grounded prompt."""
+accepted on an input-grounded prompt.
+
+A verified position runs in a forward of several rows, a plain decode in one of one:
+on the CPU the two may run on different kernels (`model/kernel_choice.py`), whose
+float32 sums round differently. Where that decides a near-tie, greedy outputs part;
+`assert_same_greedy` allows exactly that: a first difference where the plain logits'
+two best tokens are the two outputs' and lie within `NEAR_TIE` of each other."""
 
 from __future__ import annotations
 
@@ -56,6 +62,27 @@ def cores() -> Iterator[tuple[EngineCore, EngineCore]]:
     plain.close()
 
 
+NEAR_TIE = 1e-3
+
+
+def assert_same_greedy(
+    core: EngineCore, prompts: list[tuple[int, ...]], got: list[list[int]], want: list[list[int]]
+) -> None:
+    for prompt, mine, plain in zip(prompts, got, want, strict=True):
+        if mine == plain:
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(mine, plain, strict=False)) if a != b)
+        logits = core.executor.score([*prompt, *plain[:at]])[-1]
+        best, second = logits.topk(2).values.tolist()
+        assert {mine[at], plain[at]} == set(logits.topk(2).indices.tolist()), at
+        assert best - second < NEAR_TIE, (at, best, second)
+
+
+def prompts_of(core: EngineCore, texts: list[str]) -> list[tuple[int, ...]]:
+    rendered = [core.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    return [tuple(core.tokenizer.encode(r, add_special_tokens=False)) for r in rendered]
+
+
 def run(core: EngineCore, prompts: list[str], params: SamplingParams) -> list[list[int]]:
     for number, text in enumerate(prompts):
         rendered = core.tokenizer.apply_chat_template([{"role": "user", "content": text}])
@@ -77,7 +104,8 @@ def test_greedy_outputs_are_plain_decodings(
     plain, speculative = cores
     params = SamplingParams(temperature=0, max_tokens=64)
     before = speculative.scheduler.spec_counts.num_accepted_tokens
-    assert run(speculative, ASKS[:batch], params) == run(plain, ASKS[:batch], params)
+    got, want = run(speculative, ASKS[:batch], params), run(plain, ASKS[:batch], params)
+    assert_same_greedy(plain, prompts_of(plain, ASKS[:batch]), got, want)
     assert speculative.scheduler.spec_counts.num_accepted_tokens > before
 
 
@@ -94,4 +122,5 @@ def test_structured_output_with_drafts_is_plain_decoding(
         temperature=0, max_tokens=80, structured_outputs=StructuredOutputs(json=schema)
     )
     prompts = ["List the numbers 1, 2, 3, 4, 5, 6 as JSON."]
-    assert run(speculative, prompts, params) == run(plain, prompts, params)
+    got, want = run(speculative, prompts, params), run(plain, prompts, params)
+    assert_same_greedy(plain, prompts_of(plain, prompts), got, want)
