@@ -94,7 +94,7 @@ def core(speculative: bool, **config: Any) -> EngineCore:
     )
 
 
-def run(core: EngineCore, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
+def add_all(core: EngineCore, requests: dict[str, tuple[str, SamplingParams]]) -> None:
     for request_id, (prompt, params) in requests.items():
         core.add_request(
             EngineRequest(
@@ -103,6 +103,10 @@ def run(core: EngineCore, requests: dict[str, tuple[str, SamplingParams]]) -> di
                 params=params,
             )
         )
+
+
+def run(core: EngineCore, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
+    add_all(core, requests)
     out: dict[str, Any] = {}
     while core.has_unfinished():
         for update in core.step():
@@ -169,14 +173,7 @@ def test_drafts_stay_within_the_token_budget() -> None:
     """A step adds drafts only while its decodes leave room under the budget: none while
     ten requests run, some once few are left."""
     speculating = core(True, speculative_token_budget=4)
-    for request_id, (prompt, params) in REQUESTS.items():
-        speculating.add_request(
-            EngineRequest(
-                request_id=request_id,
-                prompt_token_ids=tuple(TOKENIZER.encode(prompt)),
-                params=params,
-            )
-        )
+    add_all(speculating, REQUESTS)
     drafted_by_running: dict[int, int] = {}
     while speculating.has_unfinished():
         running = speculating.scheduler.num_running
