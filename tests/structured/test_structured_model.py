@@ -92,7 +92,7 @@ LEAVES = st.one_of(
 def objects(children: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
     @st.composite
     def build(draw: st.DrawFn) -> dict:
-        names = draw(st.lists(NAMES, min_size=1, max_size=4, unique=True))
+        names = draw(st.lists(NAMES, min_size=1, max_size=3, unique=True))
         properties = {name: draw(children) for name in names}
         required = draw(st.lists(st.sampled_from(names), unique=True))
         return {
@@ -109,17 +109,17 @@ def arrays(children: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
     return st.builds(
         lambda items, most: {"type": "array", "items": items, "maxItems": most},
         children,
-        st.integers(0, 3),
+        st.integers(0, 2),
     )
 
 
 SCHEMAS = objects(
-    st.recursive(LEAVES, lambda inner: st.one_of(objects(inner), arrays(inner)), max_leaves=6)
+    st.recursive(LEAVES, lambda inner: st.one_of(objects(inner), arrays(inner)), max_leaves=4)
 )
 
 
 @settings(
-    max_examples=3,
+    max_examples=2,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
@@ -187,8 +187,8 @@ async def test_greedy_constrained_output_is_the_same_with_the_batch_queue(
     spec = StructuredOutputs(json=json.loads(SPECS["json"][0].json or ""))
     prompts = [chat(core, ASK), chat(core, "Describe a cat as JSON."), chat(core, "Hello!")]
     params = [
-        SamplingParams(temperature=0, max_tokens=120, structured_outputs=spec),
-        SamplingParams(temperature=0, max_tokens=120, structured_outputs=spec),
+        SamplingParams(temperature=0, max_tokens=80, structured_outputs=spec),
+        SamplingParams(temperature=0, max_tokens=80, structured_outputs=spec),
         SamplingParams(temperature=0, max_tokens=24),  # an unconstrained batch mate
     ]
     serial = run(
