@@ -19,7 +19,8 @@
 
 End of stream: closing a sender (or `send_eof`) flushes, then sends an `EndOfStream`
 message; a receiver raises `anyio.EndOfStream` once it has seen `expected_end_of_streams`
-of them (one per sending peer) and handed out every message before them. PUSH/PULL is
+of them (one per sending peer: a second marker on one pipe is refused as invalid, so one
+peer cannot end a stream others still send on) and handed out every message before them. PUSH/PULL is
 reliable (a barrier frame after the marker proves nng wrote it before the socket closes);
 over PUB/SUB the marker is best-effort like every PUB frame. Our own `aclose` makes every
 later call raise `anyio.ClosedResourceError`; nng failures raise
@@ -62,6 +63,7 @@ class _FrameReader:
         topics: bool,
         expected_end_of_streams: int,
         on_invalid: InvalidHandler | None,
+        end_markers: bool = True,
     ) -> None:
         if expected_end_of_streams < 1:
             raise ValueError(f"expected_end_of_streams must be >= 1, got {expected_end_of_streams}")
@@ -70,6 +72,9 @@ class _FrameReader:
         self._topics = topics
         self._ends_left = expected_end_of_streams
         self._on_invalid = on_invalid
+        # REQ/REP never end with a marker: there, one is as invalid as any stray frame.
+        self._end_markers = end_markers
+        self._ended_pipes: set[int] = set()
         self._ready: deque[tuple[str, Any]] = deque()
         self._since_yield = 0
         self.frames_received = 0
@@ -104,16 +109,16 @@ class _FrameReader:
             if not self._ends_left:
                 await anyio.lowlevel.checkpoint()
                 raise anyio.EndOfStream
-            frame = await self._io.receive()
+            frame, pipe = await self._io.receive()
             self.frames_received += 1
             try:
-                self._accept(frame)
+                self._accept(frame, pipe)
             except DecodeError as error:
                 if self._on_invalid is None:
                     raise
                 self._on_invalid(error)
 
-    def _accept(self, frame: bytes) -> None:
+    def _accept(self, frame: bytes, pipe: int) -> None:
         topic = ""
         if self._topics:
             cut = frame.find(TOPIC_SEPARATOR)
@@ -128,11 +133,20 @@ class _FrameReader:
             if type(item) is StreamBarrier:
                 continue
             if type(item) is EndOfStream:
+                if not self._end_markers or pipe in self._ended_pipes:
+                    self._ready.append((topic, DecodeError(self._stray_end())))
+                    continue
+                self._ended_pipes.add(pipe)
                 self._ends_left -= 1
                 if not self._ends_left:
                     return  # anything after the last end is not ours to deliver
                 continue
             self._ready.append((topic, item))
+
+    def _stray_end(self) -> str:
+        if not self._end_markers:
+            return "an end-of-stream marker on a request/reply channel"
+        return "a second end-of-stream marker from one peer"
 
 
 def _frame_of(codec: Codec, encoded: list[bytes]) -> bytes:
