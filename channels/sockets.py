@@ -212,7 +212,7 @@ async def _stream(
     dial: str | None,
     codec: Codec | None,
     on_invalid: InvalidHandler | None = None,
-    end_markers: bool = True,
+    request_reply: bool = False,
 ) -> AsyncIterator[MessageStream]:
     codec = codec or Codec()
     socket.recv_max_size = codec.max_message_size
@@ -223,7 +223,7 @@ async def _stream(
         topics=False,
         expected_end_of_streams=1,
         on_invalid=on_invalid,
-        end_markers=end_markers,
+        request_reply=request_reply,
     )
     stream = MessageStream(io, reader, codec, address=_attach(socket, listen, dial))
     try:
@@ -243,7 +243,7 @@ def open_req(
     *, listen: str | None = None, dial: str | None = None, codec: Codec | None = None
 ) -> Any:
     """REQ: `send` one request, then `receive` its reply."""
-    return _stream(pynng.Req0(), listen=listen, dial=dial, codec=codec, end_markers=False)
+    return _stream(pynng.Req0(), listen=listen, dial=dial, codec=codec, request_reply=True)
 
 
 def open_rep(
@@ -262,5 +262,5 @@ def open_rep(
         dial=dial,
         codec=codec,
         on_invalid=on_invalid,
-        end_markers=False,
+        request_reply=True,
     )

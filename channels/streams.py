@@ -63,7 +63,7 @@ class _FrameReader:
         topics: bool,
         expected_end_of_streams: int,
         on_invalid: InvalidHandler | None,
-        end_markers: bool = True,
+        request_reply: bool = False,
     ) -> None:
         if expected_end_of_streams < 1:
             raise ValueError(f"expected_end_of_streams must be >= 1, got {expected_end_of_streams}")
@@ -72,8 +72,9 @@ class _FrameReader:
         self._topics = topics
         self._ends_left = expected_end_of_streams
         self._on_invalid = on_invalid
-        # REQ/REP never end with a marker: there, one is as invalid as any stray frame.
-        self._end_markers = end_markers
+        # REQ/REP: each frame is one request or reply, answered one by one; a batch or
+        # an end marker there is as invalid as any stray frame.
+        self._request_reply = request_reply
         self._ended_pipes: set[int] = set()
         self._ready: deque[tuple[str, Any]] = deque()
         self._since_yield = 0
@@ -129,11 +130,17 @@ class _FrameReader:
             except UnicodeDecodeError:
                 raise DecodeError("PUB frame topic is not UTF-8") from None
             frame = frame[cut + 1 :]
+        if self._request_reply:
+            message = self._codec.decode(frame)
+            if type(message) is EndOfStream:
+                raise DecodeError(self._stray_end())
+            self._ready.append((topic, message))
+            return
         for item in self._codec.decode_frame(frame):
             if type(item) is StreamBarrier:
                 continue
             if type(item) is EndOfStream:
-                if not self._end_markers or pipe in self._ended_pipes:
+                if pipe in self._ended_pipes:
                     self._ready.append((topic, DecodeError(self._stray_end())))
                     continue
                 self._ended_pipes.add(pipe)
@@ -144,7 +151,7 @@ class _FrameReader:
             self._ready.append((topic, item))
 
     def _stray_end(self) -> str:
-        if not self._end_markers:
+        if self._request_reply:
             return "an end-of-stream marker on a request/reply channel"
         return "a second end-of-stream marker from one peer"
 
@@ -211,8 +218,10 @@ class MessageSender(anyio.abc.ObjectSendStream[Any]):
 
     async def send_frame(self, frame: bytes, topic: str = "") -> None:
         """Forward an already-encoded frame as is (after the pending batch), e.g. a relay."""
-        await self.flush()
-        await self._send_now(topic, frame)
+        # Under the flush lock: the flusher task must not send between the two.
+        async with self._flush_lock:
+            await self._send_pending()
+            await self._send_now(topic, frame)
 
     async def _enqueue(self, topic: str, encoded: bytes) -> None:
         if self._io.closed or self._eof_sent:
@@ -240,16 +249,19 @@ class MessageSender(anyio.abc.ObjectSendStream[Any]):
     async def flush(self) -> None:
         """Send everything pending now, as few frames as topics allow."""
         async with self._flush_lock:
-            while self._pending:
-                topic = self._pending[0][0]
-                run = 0
-                while run < len(self._pending) and self._pending[run][0] == topic:
-                    run += 1
-                encoded = [item for _, item in self._pending[:run]]
-                await self._send_now(topic, _frame_of(self.codec, encoded))
-                # Only forget the run once nng took it: a cancelled flush loses nothing.
-                del self._pending[:run]
-                self._pending_bytes -= sum(map(len, encoded))
+            await self._send_pending()
+
+    async def _send_pending(self) -> None:
+        while self._pending:
+            topic = self._pending[0][0]
+            run = 0
+            while run < len(self._pending) and self._pending[run][0] == topic:
+                run += 1
+            encoded = [item for _, item in self._pending[:run]]
+            await self._send_now(topic, _frame_of(self.codec, encoded))
+            # Only forget the run once nng took it: a cancelled flush loses nothing.
+            del self._pending[:run]
+            self._pending_bytes -= sum(map(len, encoded))
 
     async def _send_now(self, topic: str, frame: bytes) -> None:
         if self._topics:

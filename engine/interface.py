@@ -72,6 +72,9 @@ class RankStats:
     # "large", "prefill") with the plan's "origin" (`engine/model/kernel_choice.py`);
     # empty for an executor without a model.
     kernels: dict[str, str] = field(default_factory=dict)
+    # Frames and messages this rank's channels dropped as malformed or impossible, by
+    # channel (`engine/dp/invalid_frames.py`); empty for a rank in the front end's process.
+    dropped_frames: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,6 +87,9 @@ class EngineStats:
     engines_running: bool
     held: Mapping[str, str]
     requests_per_rank: tuple[int, ...]
+    # Frames dropped as malformed or impossible, by receiving channel (front end,
+    # coordinator and ranks alike): a hostile or broken peer shows here.
+    dropped_frames: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def num_waiting(self) -> int:

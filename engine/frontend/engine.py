@@ -329,7 +329,11 @@ class FrontEnd:
         if not self._core.has_coordinator:
             wave = max(rank.counters.wave for rank in ranks)
             running = any(rank.counters.running for rank in ranks)
+        dropped = dict(self._core.dropped_frames)
+        for report in ranks:
+            dropped.update(report.dropped_frames)
         return EngineStats(
+            dropped_frames=dropped,
             ranks=ranks,
             wave=wave,
             engines_running=running,
@@ -585,7 +589,10 @@ class FrontEnd:
             self._wave = state.wave
             self._engines_running = state.engines_running
             size = self._balancer.dp_size  # smaller while a scale down drains
-            self._balancer.update(state.waiting[:size], state.running[:size], state.kv_usage[:size])
+            if len(state.waiting) >= size:  # fewer: no coordinator of this engine sent it
+                self._balancer.update(
+                    state.waiting[:size], state.running[:size], state.kv_usage[:size]
+                )
             if len(state.waiting) != self._published_size:
                 self._published_size = len(state.waiting)
                 self._published.set()
