@@ -29,6 +29,7 @@ from wavecore.engine.serve.formatting import (
     usage_chunk,
     whole_body,
 )
+from wavecore.engine.serve.limits import check_work
 from wavecore.engine.serve.parsing import CallKind, GenerationCall, parse_call
 from wavecore.engine.serve.state import ReadyEngine, ServerState
 
@@ -69,8 +70,15 @@ def openai_routes(state: ServerState) -> list[Route]:
 
 async def _generate(state: ServerState, request: Request, kind: CallKind) -> Response:
     ready = state.ready()
-    body = await read_json(request, state.options.max_request_bytes)
-    call = parse_call(kind, body, state.options.model_name)
+    options = state.options
+    body = await read_json(request, options.max_request_bytes, body_timeout=options.body_timeout)
+    call = parse_call(kind, body, options.model_name)
+    check_work(
+        len(call.prompts),
+        call.n,
+        call.params.stop,
+        max_requests_per_call=options.max_requests_per_call,
+    )
     call_id = f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}"
     choices = prepare_choices(ready, call, call_id)
     state.admit(len(choices))
