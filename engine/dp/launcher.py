@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import shutil
 import socket
 import tempfile
@@ -147,11 +148,23 @@ class _Addresses:
 
 
 def _host_store(config: EngineConfig, host: str) -> Any:
+    """The lockstep group's store, listening on `host` only: given a port of 0, TCPStore
+    listens on every interface, so it is handed a socket bound here (and owns it)."""
     if config.dp_mode != "lockstep":
         return None
     import torch.distributed as dist
 
-    return dist.TCPStore(host, 0, None, True, wait_for_workers=False)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.create_server((host, 0), family=family, backlog=128) as listener:
+        port = listener.getsockname()[1]
+        listening = os.dup(listener.fileno())
+    try:
+        return dist.TCPStore(
+            host, port, None, True, wait_for_workers=False, master_listen_fd=listening
+        )
+    except BaseException:
+        os.close(listening)
+        raise
 
 
 def _split_master(master: str | None, config: EngineConfig) -> tuple[str, int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import anyio
 import pynng
@@ -16,6 +17,7 @@ from dp_helpers import HANG_GUARD, VOCAB, collect, expected_tokens, null_config,
 from wavecore.channels import Codec, EndOfStream
 from wavecore.engine import messages as m
 from wavecore.engine.api import open_dp_engine
+from wavecore.engine.dp.launcher import _host_store
 from wavecore.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.anyio
@@ -188,3 +190,16 @@ async def _send_frames(sender: object, frames: list[bytes]) -> None:
     input: the rank dials the front end)."""
     for frame in frames:
         await sender.send_frame(frame)  # type: ignore[attr-defined]
+
+
+def _listeners(table: str, port: int) -> list[str]:
+    """The local addresses (kernel hex) listening on `port` in /proc/net/tcp or tcp6."""
+    rows = [line.split() for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]]
+    return [row[1] for row in rows if row[1].endswith(f":{port:04X}") and row[3] == "0A"]
+
+
+def test_the_group_store_listens_on_the_asked_address_only() -> None:
+    # Given port 0, TCPStore listened on every interface, whatever the engine's host.
+    store = _host_store(null_config(dp_mode="lockstep"), "127.0.0.1")
+    assert _listeners("tcp", store.port) == [f"0100007F:{store.port:04X}"]
+    assert _listeners("tcp6", store.port) == []
