@@ -13,6 +13,10 @@ Closing calls `anyio.notify_closing` on the descriptors first, so that a task bl
 `receive`/`send` wakes with `ClosedResourceError` instead of waiting on a dead descriptor.
 The pipe watch counts connected peers from nng's pipe callbacks through a self-pipe (never
 blocking the nng thread, which `close` waits for).
+
+Receiving goes through nng's message API (`receive_message`), not pynng's `recv`: that one
+raises a bare `RuntimeError` on an empty message (pynng 0.9), which any peer can send, and
+only the message says which pipe (connected peer) a frame came on.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Any, TypeVar
 import anyio
 import anyio.lowlevel
 import pynng
+from pynng.exceptions import check_err
+from pynng.nng import ffi, lib
 
 T = TypeVar("T")
 
@@ -111,8 +117,9 @@ class NngIO:
     async def send(self, frame: bytes) -> None:
         await self._until_done(self._send, lambda: self.socket.send(frame, block=False))
 
-    async def receive(self) -> bytes:
-        return await self._until_done(self._recv, lambda: self.socket.recv(block=False))
+    async def receive(self) -> tuple[bytes, int]:
+        """The next frame and the id of the pipe it came on (empty frames included)."""
+        return await self._until_done(self._recv, lambda: receive_message(self.socket))
 
     async def _until_done(self, direction: _Direction, attempt: Callable[[], T]) -> T:
         """Try `attempt` (a non-blocking nng call) until it stops saying `TryAgain`."""
@@ -155,6 +162,20 @@ class NngIO:
                 anyio.notify_closing(direction.fd)
         self.socket.close()
         self.pipes.close()
+
+
+def receive_message(socket: pynng.Socket) -> tuple[bytes, int]:
+    """One message without blocking (`pynng.TryAgain` if none): its body, which may be
+    empty, and its pipe's id (-1 if the pipe closed meanwhile)."""
+    pointer = ffi.new("nng_msg **")
+    check_err(lib.nng_recvmsg(socket.socket, pointer, lib.NNG_FLAG_NONBLOCK))
+    message = pointer[0]
+    try:
+        size = lib.nng_msg_len(message)
+        body = ffi.buffer(ffi.cast("char *", lib.nng_msg_body(message)), size)[:] if size else b""
+        return body, lib.nng_pipe_id(lib.nng_msg_get_pipe(message))
+    finally:
+        lib.nng_msg_free(message)
 
 
 def bound_address(listener: Any, requested: str) -> str:

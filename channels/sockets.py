@@ -206,12 +206,25 @@ def open_sub(
 
 @asynccontextmanager
 async def _stream(
-    socket: pynng.Socket, *, listen: str | None, dial: str | None, codec: Codec | None
+    socket: pynng.Socket,
+    *,
+    listen: str | None,
+    dial: str | None,
+    codec: Codec | None,
+    on_invalid: InvalidHandler | None = None,
+    request_reply: bool = False,
 ) -> AsyncIterator[MessageStream]:
     codec = codec or Codec()
     socket.recv_max_size = codec.max_message_size
     io = NngIO(socket)
-    reader = _FrameReader(io, codec, topics=False, expected_end_of_streams=1, on_invalid=None)
+    reader = _FrameReader(
+        io,
+        codec,
+        topics=False,
+        expected_end_of_streams=1,
+        on_invalid=on_invalid,
+        request_reply=request_reply,
+    )
     stream = MessageStream(io, reader, codec, address=_attach(socket, listen, dial))
     try:
         yield stream
@@ -230,11 +243,24 @@ def open_req(
     *, listen: str | None = None, dial: str | None = None, codec: Codec | None = None
 ) -> Any:
     """REQ: `send` one request, then `receive` its reply."""
-    return _stream(pynng.Req0(), listen=listen, dial=dial, codec=codec)
+    return _stream(pynng.Req0(), listen=listen, dial=dial, codec=codec, request_reply=True)
 
 
 def open_rep(
-    *, listen: str | None = None, dial: str | None = None, codec: Codec | None = None
+    *,
+    listen: str | None = None,
+    dial: str | None = None,
+    codec: Codec | None = None,
+    on_invalid: InvalidHandler | None = None,
 ) -> Any:
-    """REP: `receive` a request, then `send` its reply."""
-    return _stream(pynng.Rep0(), listen=listen, dial=dial, codec=codec)
+    """REP: `receive` a request, then `send` its reply. With `on_invalid`, a request that
+    fails to decode goes there and is skipped (nng drops it unanswered: a REP socket
+    forgets a request it receives past)."""
+    return _stream(
+        pynng.Rep0(),
+        listen=listen,
+        dial=dial,
+        codec=codec,
+        on_invalid=on_invalid,
+        request_reply=True,
+    )

@@ -19,7 +19,8 @@
 
 End of stream: closing a sender (or `send_eof`) flushes, then sends an `EndOfStream`
 message; a receiver raises `anyio.EndOfStream` once it has seen `expected_end_of_streams`
-of them (one per sending peer) and handed out every message before them. PUSH/PULL is
+of them (one per sending peer: a second marker on one pipe is refused as invalid, so one
+peer cannot end a stream others still send on) and handed out every message before them. PUSH/PULL is
 reliable (a barrier frame after the marker proves nng wrote it before the socket closes);
 over PUB/SUB the marker is best-effort like every PUB frame. Our own `aclose` makes every
 later call raise `anyio.ClosedResourceError`; nng failures raise
@@ -62,6 +63,7 @@ class _FrameReader:
         topics: bool,
         expected_end_of_streams: int,
         on_invalid: InvalidHandler | None,
+        request_reply: bool = False,
     ) -> None:
         if expected_end_of_streams < 1:
             raise ValueError(f"expected_end_of_streams must be >= 1, got {expected_end_of_streams}")
@@ -70,6 +72,10 @@ class _FrameReader:
         self._topics = topics
         self._ends_left = expected_end_of_streams
         self._on_invalid = on_invalid
+        # REQ/REP: each frame is one request or reply, answered one by one; a batch or
+        # an end marker there is as invalid as any stray frame.
+        self._request_reply = request_reply
+        self._ended_pipes: set[int] = set()
         self._ready: deque[tuple[str, Any]] = deque()
         self._since_yield = 0
         self.frames_received = 0
@@ -104,16 +110,16 @@ class _FrameReader:
             if not self._ends_left:
                 await anyio.lowlevel.checkpoint()
                 raise anyio.EndOfStream
-            frame = await self._io.receive()
+            frame, pipe = await self._io.receive()
             self.frames_received += 1
             try:
-                self._accept(frame)
+                self._accept(frame, pipe)
             except DecodeError as error:
                 if self._on_invalid is None:
                     raise
                 self._on_invalid(error)
 
-    def _accept(self, frame: bytes) -> None:
+    def _accept(self, frame: bytes, pipe: int) -> None:
         topic = ""
         if self._topics:
             cut = frame.find(TOPIC_SEPARATOR)
@@ -124,15 +130,30 @@ class _FrameReader:
             except UnicodeDecodeError:
                 raise DecodeError("PUB frame topic is not UTF-8") from None
             frame = frame[cut + 1 :]
+        if self._request_reply:
+            message = self._codec.decode(frame)
+            if type(message) is EndOfStream:
+                raise DecodeError(self._stray_end())
+            self._ready.append((topic, message))
+            return
         for item in self._codec.decode_frame(frame):
             if type(item) is StreamBarrier:
                 continue
             if type(item) is EndOfStream:
+                if pipe in self._ended_pipes:
+                    self._ready.append((topic, DecodeError(self._stray_end())))
+                    continue
+                self._ended_pipes.add(pipe)
                 self._ends_left -= 1
                 if not self._ends_left:
                     return  # anything after the last end is not ours to deliver
                 continue
             self._ready.append((topic, item))
+
+    def _stray_end(self) -> str:
+        if self._request_reply:
+            return "an end-of-stream marker on a request/reply channel"
+        return "a second end-of-stream marker from one peer"
 
 
 def _frame_of(codec: Codec, encoded: list[bytes]) -> bytes:
@@ -197,8 +218,10 @@ class MessageSender(anyio.abc.ObjectSendStream[Any]):
 
     async def send_frame(self, frame: bytes, topic: str = "") -> None:
         """Forward an already-encoded frame as is (after the pending batch), e.g. a relay."""
-        await self.flush()
-        await self._send_now(topic, frame)
+        # Under the flush lock: the flusher task must not send between the two.
+        async with self._flush_lock:
+            await self._send_pending()
+            await self._send_now(topic, frame)
 
     async def _enqueue(self, topic: str, encoded: bytes) -> None:
         if self._io.closed or self._eof_sent:
@@ -226,16 +249,19 @@ class MessageSender(anyio.abc.ObjectSendStream[Any]):
     async def flush(self) -> None:
         """Send everything pending now, as few frames as topics allow."""
         async with self._flush_lock:
-            while self._pending:
-                topic = self._pending[0][0]
-                run = 0
-                while run < len(self._pending) and self._pending[run][0] == topic:
-                    run += 1
-                encoded = [item for _, item in self._pending[:run]]
-                await self._send_now(topic, _frame_of(self.codec, encoded))
-                # Only forget the run once nng took it: a cancelled flush loses nothing.
-                del self._pending[:run]
-                self._pending_bytes -= sum(map(len, encoded))
+            await self._send_pending()
+
+    async def _send_pending(self) -> None:
+        while self._pending:
+            topic = self._pending[0][0]
+            run = 0
+            while run < len(self._pending) and self._pending[run][0] == topic:
+                run += 1
+            encoded = [item for _, item in self._pending[:run]]
+            await self._send_now(topic, _frame_of(self.codec, encoded))
+            # Only forget the run once nng took it: a cancelled flush loses nothing.
+            del self._pending[:run]
+            self._pending_bytes -= sum(map(len, encoded))
 
     async def _send_now(self, topic: str, frame: bytes) -> None:
         if self._topics:

@@ -82,6 +82,9 @@ class RankStats:
     # "large", "prefill") with the plan's "origin" (`engine/model/kernel_choice.py`);
     # empty for an executor without a model.
     kernels: dict[str, str] = field(default_factory=dict)
+    # Frames and messages this rank's channels dropped as malformed or impossible, by
+    # channel (`engine/dp/invalid_frames.py`); empty for a rank in the front end's process.
+    dropped_frames: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,6 +99,9 @@ class EngineStats:
     requests_per_rank: tuple[int, ...]
     # Structured-output requests accepted since start, per kind ("json", "regex", ...).
     structured_requests: Mapping[str, int] = field(default_factory=dict)
+    # Frames dropped as malformed or impossible, by receiving channel (front end,
+    # coordinator and ranks alike): a hostile or broken peer shows here.
+    dropped_frames: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def num_waiting(self) -> int:

@@ -275,6 +275,8 @@ class CoordinatorState:
     waiting: tuple[int, ...]
     running: tuple[int, ...]
     kv_usage: tuple[float, ...]
+    # Frames the coordinator's input dropped as malformed or impossible, so far.
+    dropped_frames: int = 0
 
 
 WAVE_TOPIC = "wave"

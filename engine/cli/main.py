@@ -1,5 +1,11 @@
 """The `wavecore` command line: `wavecore generate` runs prompts through an engine,
-`wavecore serve` serves one over HTTP (OpenAI-compatible)."""
+`wavecore serve` serves one over HTTP (OpenAI-compatible).
+
+Every failure is one line on stderr (`--debug` adds the traceback); exit codes: 0 done,
+1 a prompt failed or the engine died, 2 a usage error (nothing started), 3 a headless
+rank whose front end fell silent, 4 any other failure (a model that does not load, an
+output that cannot be written), 130 interrupted (Ctrl-C; finished results are kept).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +30,11 @@ from wavecore.engine.config import EngineConfig
 from wavecore.engine.errors import EngineDeadError, InvalidRequestError
 from wavecore.engine.interface import Engine
 from wavecore.engine.serve.command import add_serve_parser, cmd_serve
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_ERROR = 4
+EXIT_INTERRUPTED = 130
 
 # About 10-30 us of spinning on a current x86 core: longer than the Python between two
 # ops of a step, far shorter than libgomp's default (see `bound_openmp_spinning`).
@@ -216,6 +227,21 @@ async def _run_all(
                 tg.start_soon(run_one, job)
 
 
+def check_capacity(args: argparse.Namespace, config: EngineConfig) -> None:
+    """`--dp` above what this machine can hold is refused before any process starts, as
+    `scale` refuses it (`engine/dp/capacity.py`)."""
+    if config.dp_size < 2 or getattr(args, "dp_master", None) is not None:
+        return
+    from wavecore.engine.dp.capacity import dp_capacity
+
+    capacity = dp_capacity(config)
+    if config.dp_size > capacity.max_dp_size:
+        raise UsageError(
+            f"--dp {config.dp_size} refused: at most {capacity.max_dp_size} ranks "
+            f"({capacity.reason})"
+        )
+
+
 def _check_scale_at(args: argparse.Namespace) -> None:
     """`--scale-at REQS:SIZE` (after REQS requests finished, scale to SIZE ranks) needs
     ranks this process started."""
@@ -289,6 +315,7 @@ def cmd_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
     config = _engine_config(args)
     _check_scale_at(args)
     inputs = load_inputs(args, sys.stdin)
+    check_capacity(args, config)
     with open_output(args.output) as sink:
         log = ResultLog(sink, err)
         for bad in inputs.rejected:
@@ -297,9 +324,12 @@ def cmd_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
                 return 1
         if not inputs.jobs:
             return 1
-        outcome = anyio.run(
-            run_generate, args, config, out, err, inputs.jobs, log, backend=args.backend
-        )
+        try:
+            outcome = anyio.run(
+                run_generate, args, config, out, err, inputs.jobs, log, backend=args.backend
+            )
+        except KeyboardInterrupt:
+            return _interrupted(args, out, err, inputs.jobs, log)
     if outcome.dead is not None:
         print_error(err, "generate", _death_line(outcome.dead, log, len(inputs), args.output))
     if args.output is not None:
@@ -309,6 +339,24 @@ def cmd_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
         _print_results(out, inputs.jobs)
     out.print(summary_table(outcome.summary, outcome.rank_counts))
     return 1 if log.failures or outcome.dead is not None else 0
+
+
+def _interrupted(
+    args: argparse.Namespace,
+    out: Console,
+    err: Console,
+    jobs: Sequence[PromptJob],
+    log: ResultLog,
+) -> int:
+    """Ctrl-C: what finished is kept (in --output already, else printed), in one line."""
+    finished = sum(1 for job in jobs if job.finished)
+    if args.output is not None:
+        kept = f"; their results are in {args.output}"
+    else:
+        _print_results(out, jobs)
+        kept = ""
+    print_error(err, "generate", f"interrupted: {finished} of {len(jobs)} prompts finished{kept}")
+    return EXIT_INTERRUPTED
 
 
 def _death_line(error: EngineDeadError, log: ResultLog, prompts: int, output: str | None) -> str:
@@ -375,6 +423,9 @@ def _add_rank_behaviour_flags(group: argparse._ActionsContainer) -> None:
 
 def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The engine flags `generate` and `serve` share, in a group the caller may extend."""
+    command.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
     engine = command.add_argument_group("engine")
     engine.add_argument(
         "--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)"
@@ -413,7 +464,10 @@ def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGro
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wavecore", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="wavecore", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of failures")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="run prompts through an engine")
     source = gen.add_argument_group("prompts")
@@ -468,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     rank = commands.add_parser("rank", help="run one headless data-parallel rank")
     rank.add_argument("--dp-rank", type=int, required=True)
     rank.add_argument("--dp-size", dest="dp", type=int, required=True)
+    rank.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
     rank.add_argument("--master", required=True, metavar="HOST:PORT", help="the front end")
     rank.add_argument("--dp-mode", choices=["lockstep", "independent"], default="lockstep")
     _add_rank_behaviour_flags(rank)
@@ -512,11 +569,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "rank":
             return cmd_rank(args)
         if args.command == "serve":
-            return cmd_serve(args, _engine_config(args))
+            config = _engine_config(args)
+            check_capacity(args, config)
+            return cmd_serve(args, config)
         return cmd_generate(args, out, err)
     except UsageError as error:
         print_error(err, args.command, str(error))
-        return 2
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print_error(err, args.command, "interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as error:
+        if args.debug:
+            raise
+        print_error(err, args.command, f"{failure_line(error)} (--debug shows the traceback)")
+        return EXIT_ERROR
+
+
+def failure_line(error: BaseException) -> str:
+    """An exception as one line: a group with a single cause as that cause, an OSError
+    as its file and reason, any other as its message (its type when it has none)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    if isinstance(error, OSError) and error.strerror:
+        where = f"{error.filename}: " if error.filename else ""
+        return f"{where}{error.strerror}"
+    text = " ".join(str(error).split())
+    return text or type(error).__name__
 
 
 if __name__ == "__main__":

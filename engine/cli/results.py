@@ -30,6 +30,10 @@ def print_error(console: Console, command: str, message: str) -> None:
     )
 
 
+class OutputError(Exception):
+    """The `--output` file cannot be written (a full disk, a device that refuses)."""
+
+
 @contextmanager
 def open_output(path: str | None) -> Iterator[TextIO | None]:
     """The `--output` file, opened before the run so a bad path fails before any work."""
@@ -40,8 +44,11 @@ def open_output(path: str | None) -> Iterator[TextIO | None]:
         sink = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by the `with` below
     except OSError as error:
         raise UsageError(f"--output {path}: {error.strerror}") from None
-    with sink:
-        yield sink
+    try:
+        with sink:
+            yield sink
+    except OSError as error:  # closing flushes again what a failed write left
+        raise OutputError(f"--output {path}: {error.strerror}") from None
 
 
 class ResultLog:
@@ -67,5 +74,8 @@ class ResultLog:
     def _write(self, row: dict[str, Any]) -> None:
         if self._sink is None:
             return
-        self._sink.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self._sink.flush()
+        try:
+            self._sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+            self._sink.flush()
+        except OSError as error:
+            raise OutputError(f"--output {self._sink.name}: {error.strerror}") from None

@@ -142,6 +142,16 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:
+        if not isinstance(request.request_id, str) or not request.request_id:
+            raise InvalidRequestError(f"request id {request.request_id!r} is no non-empty str")
+        vocab_size = self.tokenizer.vocab_size
+        tokens = request.prompt_token_ids
+        if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
+            # The front end never sends one (it tokenized the prompt); the model would.
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: a prompt token id is outside the "
+                f"vocabulary of {vocab_size}"
+            )
         spec = request.params.structured_outputs
         grammar = None if spec is None else self.grammars.start(spec)
         try:

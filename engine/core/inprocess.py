@@ -84,6 +84,10 @@ class InProcessClient:
         return False
 
     @property
+    def dropped_frames(self) -> dict[str, int]:
+        return {}  # no frames: objects on memory streams
+
+    @property
     def max_chunk_bytes(self) -> int | None:
         return None  # objects on a memory stream: a tensor travels whole, uncopied
 

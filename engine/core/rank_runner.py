@@ -55,6 +55,7 @@ from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.core.model_thread import ModelThread, loop_call_soon
 from wavecore.engine.core.rank_calls import RankCalls
 from wavecore.engine.core.rank_inputs import BadCall, loop_input_of
+from wavecore.engine.errors import InvalidRequestError
 from wavecore.engine.executors.batch import EXECUTOR_TAGS
 from wavecore.engine.interface import RankCounters, RankStats
 from wavecore.engine.weight_messages import RANK_CALLS
@@ -65,6 +66,7 @@ from wavecore.statemachines import (
     DrainVote,
     JoinGroup,
     PauseRequested,
+    ProtocolError,
     RankLoop,
     RankMachine,
     Reconfigured,
@@ -141,8 +143,10 @@ class RankRunner:
         join_group: GroupJoiner | None = None,
         survive_lost_group: bool = False,
         member: int = 0,
+        dropped_frames: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self.core = core
+        self._dropped_frames = dropped_frames
         self._member = member
         self.loop = RankLoop(machine)
         self.rank = machine.rank
@@ -479,8 +483,15 @@ class RankRunner:
 
     def _deliver(self, item: Any) -> None:
         loop_input = self._as_loop_input(item)
-        if loop_input is not None:
+        if loop_input is None:
+            return
+        try:
             self.loop.deliver(loop_input, self._effects)
+        except (InvalidRequestError, ProtocolError):
+            # A request the core refuses, or an input the machines refuse as impossible
+            # here: no front end sends either, and both are refused before anything
+            # changed (the loop only moved on to its next step, as after any input).
+            self._on_invalid(item)
 
     def _as_loop_input(self, item: Any) -> object | None:
         try:
@@ -538,4 +549,6 @@ class RankRunner:
             **self.counts,
         )
         core = self.core.stats(paused=machine.pause_mode, asleep=machine.asleep)
-        return RankStats(rank=self.rank, core=core, counters=counters)
+        return RankStats(
+            rank=self.rank, core=core, counters=counters, dropped_frames=self._dropped_frames()
+        )

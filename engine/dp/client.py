@@ -58,7 +58,9 @@ from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.dp.exit_status import describe_exit
+from wavecore.engine.dp.frame_checks import member_problem, state_problem, step_outputs_problem
 from wavecore.engine.dp.heartbeat import RankHeartbeats
+from wavecore.engine.dp.invalid_frames import counts as invalid_frame_counts
 from wavecore.engine.dp.launcher import COORDINATOR, DPWiring, open_dp_processes, process_name
 from wavecore.engine.dp.process_state import is_stopped
 from wavecore.engine.dp.rank_process import BuildCore
@@ -119,6 +121,7 @@ class DPClient:
         self.restarts: list[str] = []
         self.restarted = anyio.Event()
         self.heartbeats = RankHeartbeats(config.heartbeat_interval, config.heartbeat_timeout)
+        self._coordinator_dropped = 0
 
     @property
     def dp_size(self) -> int:
@@ -143,6 +146,15 @@ class DPClient:
     @property
     def max_chunk_bytes(self) -> int | None:
         return _MAX_CHUNK_BYTES
+
+    @property
+    def dropped_frames(self) -> dict[str, int]:
+        """What this process's channels dropped, and the coordinator's input as of its
+        last state (each rank's comes with its stats)."""
+        return {
+            **invalid_frame_counts(self.wiring.invalid_frames),
+            "coordinator input": self._coordinator_dropped,
+        }
 
     def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
         self._on_death = callback
@@ -335,6 +347,10 @@ class DPClient:
         invalid = self.wiring.invalid_frames[0]
         try:
             async for message in self.wiring.outputs:
+                problem = self._output_problem(message)
+                if problem is not None:
+                    invalid.unexpected(message, problem)
+                    continue
                 if isinstance(message, m.RankAlive | m.RankFailed) and not self._from_member(
                     message
                 ):
@@ -351,6 +367,14 @@ class DPClient:
                     invalid.unexpected(message)
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             pass
+
+    def _output_problem(self, message: Any) -> str | None:
+        """Why a well-formed message cannot be from a rank of this engine (`frame_checks`)."""
+        if type(message) is m.StepOutputs:
+            return step_outputs_problem(message, self._tokenizer.vocab_size)
+        if isinstance(message, m.RankAlive | m.RankFailed):
+            return member_problem(message.member, self.wiring.members_issued)
+        return None
 
     def _from_member(self, message: m.RankAlive | m.RankFailed) -> bool:
         """Rule 6: whether the rank that sent this was not dropped (a headless rank the
@@ -375,7 +399,12 @@ class DPClient:
                 if type(state) is m.EndsExpected:
                     self.scaler.on_ends_expected(state.token)
                 elif type(state) is m.CoordinatorState:
-                    yield state
+                    problem = state_problem(state)
+                    if problem is None:
+                        self._coordinator_dropped = state.dropped_frames
+                        yield state
+                    else:
+                        self.wiring.invalid_frames[1].unexpected(state, problem)
                 else:
                     self.wiring.invalid_frames[1].unexpected(state)
         except (anyio.EndOfStream, anyio.ClosedResourceError):

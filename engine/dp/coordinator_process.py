@@ -102,6 +102,9 @@ async def _run_coordinator(handshake_address: str, dp_size: int, listen_base: st
             try:
                 async for message in inputs:
                     if isinstance(message, m.ExpectEnds):
+                        if message.markers < 0:
+                            invalid.unexpected(message, "a negative count of markers")
+                            continue
                         if message.token > counted:
                             inputs.expect_more_end_of_streams(message.markers)  # a scale's ranks
                             counted = message.token
@@ -154,6 +157,7 @@ class CoordinatorRelay:
             waiting=tuple(load.waiting for load in action.loads),
             running=tuple(load.running for load in action.loads),
             kv_usage=tuple(load.kv_usage for load in action.loads),
+            dropped_frames=self.invalid.count,
         )
         if action.immediate:
             self._due = None

@@ -30,14 +30,14 @@ Theory of operation:
 from __future__ import annotations
 
 import contextlib
-import itertools
 import multiprocessing
+import os
 import shutil
 import socket
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -108,9 +108,17 @@ class DPWiring:
     # ranks spawned here and the headless ones alike: a loss names a member, since a
     # shrink renumbers the ranks and a headless rank has no process here.
     members: list[int] = field(default_factory=list)
-    member_ids: Iterator[int] = field(default_factory=itertools.count)
+    # How many member ids were handed out (`new_members`): a message naming another
+    # member is no rank's.
+    members_issued: int = 0
     # Members a shrink dropped: a headless one may still be running.
     dropped: set[int] = field(default_factory=set)
+
+    def new_members(self, count: int) -> list[int]:
+        """Member ids for `count` new ranks, never handed out before."""
+        first = self.members_issued
+        self.members_issued += count
+        return list(range(first, self.members_issued))
 
     def number_of(self, member: int) -> int | None:
         """A member's current rank number; None once it left (or before it is ready)."""
@@ -140,11 +148,23 @@ class _Addresses:
 
 
 def _host_store(config: EngineConfig, host: str) -> Any:
+    """The lockstep group's store, listening on `host` only: given a port of 0, TCPStore
+    listens on every interface, so it is handed a socket bound here (and owns it)."""
     if config.dp_mode != "lockstep":
         return None
     import torch.distributed as dist
 
-    return dist.TCPStore(host, 0, None, True, wait_for_workers=False)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.create_server((host, 0), family=family, backlog=128) as listener:
+        port = listener.getsockname()[1]
+        listening = os.dup(listener.fileno())
+    try:
+        return dist.TCPStore(
+            host, port, None, True, wait_for_workers=False, master_listen_fd=listening
+        )
+    except BaseException:
+        os.close(listening)
+        raise
 
 
 def _split_master(master: str | None, config: EngineConfig) -> tuple[str, int]:
@@ -189,14 +209,20 @@ async def open_dp_processes(
     watcher = ProcessWatcher()
     try:
         async with AsyncExitStack() as stack:
-            invalid = [InvalidFrameLog("client outputs"), InvalidFrameLog("client state")]
+            invalid = [
+                InvalidFrameLog("client outputs"),
+                InvalidFrameLog("client state"),
+                InvalidFrameLog("client handshake"),
+            ]
             coordinator_rep = await stack.enter_async_context(
-                open_rep(listen=addresses.listen("coordinator-handshake"))
+                open_rep(listen=addresses.listen("coordinator-handshake"), on_invalid=invalid[2])
             )
             rank_handshake = (
                 f"tcp://{host}:{port}" if master else addresses.listen("rank-handshake")
             )
-            rank_rep = await stack.enter_async_context(open_rep(listen=rank_handshake))
+            rank_rep = await stack.enter_async_context(
+                open_rep(listen=rank_handshake, on_invalid=invalid[2])
+            )
             if on_listening is not None:
                 on_listening(rank_rep.address)
             outputs = await stack.enter_async_context(
@@ -253,7 +279,7 @@ async def open_dp_processes(
             wiring.build_core = build_core
             wiring.rank_configs = dict(rank_configs or {})
             wiring.watcher = watcher
-            wiring.members = [next(wiring.member_ids) for _ in range(config.dp_size)]
+            wiring.members = wiring.new_members(config.dp_size)
             wiring.addresses["outputs"] = outputs.address
             wiring.addresses["rank_handshake"] = rank_rep.address
             async with anyio.create_task_group() as tg, AsyncExitStack() as late:
@@ -309,7 +335,9 @@ async def _startup(
     wiring.group_prefix = group_prefix
 
     async def handshake() -> None:
-        hello = await coordinator_rep.receive()
+        while type(hello := await coordinator_rep.receive()) is not m.CoordinatorHello:
+            wiring.invalid_frames[2].unexpected(hello)
+            await coordinator_rep.send(m.HandshakeReply(accepted=False, reason="unexpected"))
         await coordinator_rep.send(m.HandshakeReply(accepted=True, reason=""))
         wiring.addresses["coordinator_input"] = hello.input_address
         wiring.addresses["coordinator_publish"] = hello.publish_address
@@ -321,6 +349,8 @@ async def _startup(
                 rank_rep,
                 message,
                 expected,
+                range(config.dp_size),
+                wiring.invalid_frames[2],
                 lambda rank: rank_assignment(
                     config,
                     wiring,
@@ -404,11 +434,19 @@ async def answer_rank(
     rep: MessageStream,
     message: Any,
     expected: dict[str, str],
+    ranks: Collection[int],
+    invalid: InvalidFrameLog,
     assign: Callable[[int], m.RankAssignment],
 ) -> m.RankReady | None:
     """Answer one message of a rank's startup handshake: its hello with its assignment,
     its report with the verdict on its configuration. The report of a rank now ready is
-    returned; a failed or mismatched rank raises (after it was told)."""
+    returned; a failed or mismatched rank raises (after it was told). A message that is
+    no handshake's, or names a rank not starting (`ranks`), is refused and dropped."""
+    handshake = (m.RankHello, m.RankStartupFailed, m.RankReady)
+    if type(message) not in handshake or message.rank not in ranks:
+        invalid.unexpected(message, "no rank of this handshake")
+        await rep.send(m.HandshakeReply(accepted=False, reason="unexpected"))
+        return None
     if isinstance(message, m.RankHello):
         assignment = assign(message.rank)
         await rep.send(m.HandshakeReply(accepted=True, reason="", assignment=assignment))

@@ -61,6 +61,7 @@ from wavecore.engine.core.model_thread import ModelThread
 from wavecore.engine.core.rank_runner import DPGroupHandle, GroupJoiner, RankRunner, Shutdown, Sink
 from wavecore.engine.dp.heartbeat import FRONT_END_LOST_EXIT, FrontEndWatch
 from wavecore.engine.dp.invalid_frames import InvalidFrameLog
+from wavecore.engine.dp.invalid_frames import counts as invalid_frame_counts
 from wavecore.engine.dp.parent_watch import exit_with_parent
 from wavecore.statemachines import RankMachine
 
@@ -124,6 +125,7 @@ async def _run_rank(
         with ModelThread(f"wavecore-rank{rank}") as model_thread:
             async with AsyncExitStack() as stack:
                 invalid = InvalidFrameLog(f"rank {rank} input")
+                invalid_waves = InvalidFrameLog(f"rank {rank} wave subscription")
                 inputs = await stack.enter_async_context(
                     open_pull(dial=assignment.input_address, on_invalid=invalid)
                 )
@@ -131,7 +133,7 @@ async def _run_rank(
                     open_sub(
                         dial=assignment.coordinator_publish_address,
                         topics=[m.WAVE_TOPIC],
-                        on_invalid=InvalidFrameLog(f"rank {rank} wave subscription"),
+                        on_invalid=invalid_waves,
                     )
                 )
                 outputs = await stack.enter_async_context(
@@ -204,6 +206,7 @@ async def _run_rank(
                     join_group=_group_joiner(assignment) if assignment.lockstep else None,
                     survive_lost_group=config.on_rank_failure == "shrink",
                     member=assignment.member,
+                    dropped_frames=lambda: invalid_frame_counts((invalid, invalid_waves)),
                 )
                 try:
                     await _serve(runner, inputs, waves, outputs, watch, assignment.member)

@@ -491,7 +491,7 @@ class Scaler:
         if self._watches is not None:
             self._watch_scope = anyio.CancelScope()
             self._watches.start_soon(self._watch_new_ranks, ranks, self._watch_scope)
-        members = [next(wiring.member_ids) for _ in ranks]
+        members = wiring.new_members(len(ranks))
         self._losses.joining.update(members)
         expected = describe_config(config)
         ready: set[int] = set()
@@ -502,6 +502,8 @@ class Scaler:
                     handshake,
                     message,
                     expected,
+                    ranks,
+                    wiring.invalid_frames[2],
                     lambda rank: rank_assignment(
                         config,
                         wiring,

@@ -37,6 +37,12 @@ class CoreClient(Protocol):
         ...
 
     @property
+    def dropped_frames(self) -> dict[str, int]:
+        """Frames the receiving channels in this process (and the coordinator's) dropped
+        as malformed or impossible, by channel."""
+        ...
+
+    @property
     def max_chunk_bytes(self) -> int | None:
         """The largest piece of a tensor one message may carry (None: no limit, the
         message is not encoded)."""

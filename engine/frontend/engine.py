@@ -52,6 +52,12 @@ from wavecore.engine.errors import (
     WeightUpdateRefusedError,
 )
 from wavecore.engine.executors.batch import SampledToken
+from wavecore.engine.frontend.call_checks import (
+    check_params_text,
+    check_prompt,
+    check_request_id,
+    timeout_seconds,
+)
 from wavecore.engine.frontend.core_client import CoreClient
 from wavecore.engine.frontend.input_processor import InputProcessor
 from wavecore.engine.frontend.load_balancer import LoadBalancer
@@ -104,7 +110,10 @@ def wake_tags(tags: Sequence[str] | None) -> frozenset[str]:
         return SLEEP_TAGS
     if isinstance(tags, str):
         raise InvalidRequestError(f"wake_up takes a list of tags, not the string {tags!r}")
-    unknown = set(tags) - SLEEP_TAGS
+    try:
+        unknown = set(tags) - SLEEP_TAGS
+    except TypeError:  # not iterable, or unhashable items
+        raise InvalidRequestError(f"wake_up takes a list of tags, got {tags!r}") from None
     if unknown:
         raise InvalidRequestError(
             f"unknown wake_up tag(s) {sorted(unknown)}; known: {sorted(SLEEP_TAGS)}"
@@ -192,6 +201,9 @@ class FrontEnd:
             self._check_open()
             self._structured_requests[params.structured_outputs.kind] += 1
         request_id = request_id if request_id is not None else f"req-{next(_request_numbers)}"
+        check_request_id(request_id)
+        check_prompt(prompt)
+        check_params_text(params)
         if request_id in self._streams or request_id in self._resent_as:
             raise DuplicateRequestError(f"request id {request_id!r} is already in flight")
         routable = self._balancer.dp_size  # smaller while a scale down drains
@@ -233,6 +245,7 @@ class FrontEnd:
 
     async def abort(self, request_id: str) -> None:
         self._check_open()
+        check_request_id(request_id)
         sent_as = self._resent_as.get(request_id, request_id)
         rank = self._owner.get(sent_as)
         if rank is None:
@@ -336,7 +349,11 @@ class FrontEnd:
         if not self._core.has_coordinator:
             wave = max(rank.counters.wave for rank in ranks)
             running = any(rank.counters.running for rank in ranks)
+        dropped = dict(self._core.dropped_frames)
+        for report in ranks:
+            dropped.update(report.dropped_frames)
         return EngineStats(
+            dropped_frames=dropped,
             ranks=ranks,
             wave=wave,
             engines_running=running,
@@ -399,7 +416,7 @@ class FrontEnd:
             raise InvalidRequestError(f"args must be a list or tuple, got {args!r}")
         if kwargs is not None and not isinstance(kwargs, Mapping):
             raise InvalidRequestError(f"kwargs must be a mapping or None, got {kwargs!r}")
-        if timeout is not None and not timeout > 0:
+        if timeout is not None and not timeout_seconds(timeout, "timeout") > 0:  # type: ignore[operator]
             raise InvalidRequestError(f"timeout must be > 0 or None, got {timeout!r}")
         self._check_not_scaling("collective_rpc")
         return await self._weights.collective_rpc(
@@ -410,8 +427,10 @@ class FrontEnd:
         self._check_open()
         if isinstance(new_dp_size, bool) or not isinstance(new_dp_size, int) or new_dp_size < 1:
             raise ScalingRefusedError(f"new_dp_size must be an int >= 1, got {new_dp_size!r}")
-        if drain_timeout is not None and drain_timeout < 0:
-            raise ScalingRefusedError(f"drain_timeout must be >= 0 or None, got {drain_timeout}")
+        try:
+            drain_timeout = timeout_seconds(drain_timeout, "drain_timeout")
+        except InvalidRequestError as error:
+            raise ScalingRefusedError(str(error)) from None
         self._check_not_scaling("scale")
         if self._paused or self._pausing is not None or self._sleeping:
             raise ScalingRefusedError(
@@ -593,7 +612,10 @@ class FrontEnd:
             self._wave = state.wave
             self._engines_running = state.engines_running
             size = self._balancer.dp_size  # smaller while a scale down drains
-            self._balancer.update(state.waiting[:size], state.running[:size], state.kv_usage[:size])
+            if len(state.waiting) >= size:  # fewer: no coordinator of this engine sent it
+                self._balancer.update(
+                    state.waiting[:size], state.running[:size], state.kv_usage[:size]
+                )
             if len(state.waiting) != self._published_size:
                 self._published_size = len(state.waiting)
                 self._published.set()

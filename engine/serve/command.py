@@ -46,6 +46,19 @@ def add_serve_parser(
         help="seconds requests in flight may run on after SIGTERM/Ctrl-C before being aborted",
     )
     http.add_argument("--max-request-bytes", type=int, default=2**20)
+    http.add_argument(
+        "--max-requests-per-call",
+        type=int,
+        default=64,
+        help="engine requests one call may ask for (prompts x n); more is a 400",
+    )
+    http.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a request body not all there this long after its headers is a 408",
+    )
     http.add_argument("--served-model-name", help="the `model` clients name (default: --model's)")
     add_engine_flags(serve)
 
@@ -61,6 +74,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
             max_waiting=args.max_waiting,
             shutdown_timeout=args.shutdown_timeout,
             max_request_bytes=args.max_request_bytes,
+            max_requests_per_call=args.max_requests_per_call,
+            body_timeout=args.body_timeout,
         )
     except ValueError as error:
         raise UsageError(str(error)) from None

@@ -109,6 +109,25 @@ class _EngineCounters(Collector):
         yield structured
 
 
+class _DroppedFrames(Collector):
+    """Frames the engine's channels dropped as malformed or impossible (a hostile or
+    broken peer), per receiving channel, as of the last scrape's stats."""
+
+    def __init__(self, model_name: str) -> None:
+        self._model = model_name
+        self.stats: EngineStats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        dropped = CounterMetricFamily(
+            "wavecore:dropped_frames",
+            "Frames dropped by a receiving channel as malformed or impossible.",
+            labels=["model_name", "channel"],
+        )
+        for channel, count in sorted((self.stats.dropped_frames if self.stats else {}).items()):
+            dropped.add_metric([self._model, channel], count)
+        yield dropped
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -158,6 +177,8 @@ class ServerMetrics:
         )
         self._engine_counters = _EngineCounters(model_name)
         self.registry.register(self._engine_counters)
+        self._dropped_frames = _DroppedFrames(model_name)
+        self.registry.register(self._dropped_frames)
         self._ttft = Histogram(
             "wavecore:time_to_first_token_seconds",
             "Time to first token.",
@@ -199,6 +220,7 @@ class ServerMetrics:
         for gauge in (self._running, self._waiting, self._kv_usage, self._prefix_hit_rate):
             gauge.clear()  # a rank removed by a scale must not linger
         self._engine_counters.stats = stats
+        self._dropped_frames.stats = stats
         for rank in stats.ranks if stats is not None else ():
             labels = (self._model, str(rank.rank))
             self._running.labels(*labels).set(rank.core.num_running)

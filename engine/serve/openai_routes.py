@@ -30,6 +30,7 @@ from wavecore.engine.serve.formatting import (
     usage_chunk,
     whole_body,
 )
+from wavecore.engine.serve.limits import check_work
 from wavecore.engine.serve.parsing import CallKind, GenerationCall, parse_call
 from wavecore.engine.serve.state import ReadyEngine, ServerState
 
@@ -70,8 +71,15 @@ def openai_routes(state: ServerState) -> list[Route]:
 
 async def _generate(state: ServerState, request: Request, kind: CallKind) -> Response:
     ready = state.ready()
-    body = await read_json(request, state.options.max_request_bytes)
-    call = parse_call(kind, body, state.options.model_name)
+    options = state.options
+    body = await read_json(request, options.max_request_bytes, body_timeout=options.body_timeout)
+    call = parse_call(kind, body, options.model_name)
+    check_work(
+        len(call.prompts),
+        call.n,
+        call.params.stop,
+        max_requests_per_call=options.max_requests_per_call,
+    )
     spec = call.params.structured_outputs
     if spec is not None:
         try:

@@ -22,6 +22,9 @@ class ServeOptions:
     max_waiting: int | None = None
     shutdown_timeout: float = 30.0
     max_request_bytes: int = 2**20
+    # Engine requests one call may ask for (prompts x n), and how long a body may take.
+    max_requests_per_call: int = 64
+    body_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -36,6 +39,12 @@ class ServeOptions:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be >= 1, got {self.max_request_bytes}")
+        if self.max_requests_per_call < 1:
+            raise ValueError(
+                f"--max-requests-per-call must be >= 1, got {self.max_requests_per_call}"
+            )
+        if not self.body_timeout > 0:
+            raise ValueError(f"--body-timeout must be > 0, got {self.body_timeout}")
 
 
 def model_name_of(model: str | None) -> str:

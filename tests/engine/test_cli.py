@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import multiprocessing
 import re
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,6 +21,7 @@ from wavecore.engine.api import open_engine
 from wavecore.engine.cli import main as cli_main
 from wavecore.engine.cli.main import build_parser, main
 from wavecore.engine.cli.prompts import UsageError, load_inputs
+from wavecore.engine.cli.results import OutputError
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.errors import EngineDeadError
 from wavecore.engine.interface import Engine
@@ -396,3 +399,96 @@ def test_a_bad_structured_output_flag_is_one_line_before_any_engine(
     assert status == 2 and printed == ""
     [line] = error_lines(err)
     assert line.startswith("wavecore generate: ") and message in line
+
+
+# -- every failure in one line, with its exit code ----------------------------------------
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_exit_4(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, printed, err = run_cli(generate_args("--prompt", "x", "--output", "/dev/full"), capsys)
+    assert status == 4
+    assert error_lines(err) == [
+        "wavecore generate: --output /dev/full: No space left on device "
+        "(--debug shows the traceback)"
+    ]
+    assert "Traceback" not in printed + err
+
+
+def test_debug_shows_the_failure_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(OutputError, match="No space left on device"):
+        main(["--debug", *generate_args("--prompt", "x", "--output", "/dev/full")])
+    with pytest.raises(OutputError, match="No space left on device"):
+        main([*generate_args("--prompt", "x", "--output", "/dev/full"), "--debug"])
+
+
+def test_a_model_that_is_no_model_is_one_line_and_exit_4(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("hello, not a model\n")
+    status, printed, err = run_cli(["generate", "--model", str(text), "--prompt", "x"], capsys)
+    assert status == 4
+    [line] = error_lines(err)
+    assert line.startswith(f"wavecore generate: {text}: not a GGUF file")
+    assert "Traceback" not in printed + err
+
+
+def test_dp_beyond_the_machine_is_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, _printed, err = run_cli(generate_args("--prompt", "x", "--dp", "100000"), capsys)
+    assert status == 2
+    [line] = error_lines(err)
+    assert line.startswith("wavecore generate: --dp 100000 refused: at most ")
+    assert multiprocessing.active_children() == []
+
+
+class InterruptedAfterTheOthers:
+    """A real engine where the prompt "wait" waits until every other prompt finished, then
+    the user presses Ctrl-C (SIGINT to this process)."""
+
+    def __init__(self, engine: Engine, others: int) -> None:
+        self._engine = engine
+        self._others_left = others
+        self._others_done = anyio.Event()
+
+    async def generate(self, prompt: Any, params: SamplingParams) -> AsyncIterator[CompletionDelta]:
+        if prompt == "wait":
+            await self._others_done.wait()
+            signal.raise_signal(signal.SIGINT)
+            await anyio.sleep_forever()
+        async for delta in self._engine.generate(prompt, params):
+            yield delta
+        self._others_left -= 1
+        if not self._others_left:
+            self._others_done.set()
+
+
+@pytest.mark.parametrize("to_file", [True, False])
+def test_ctrl_c_keeps_the_finished_results_and_exits_130(
+    to_file: bool,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    @asynccontextmanager
+    async def interrupted_engine(_args: object, config: EngineConfig) -> AsyncIterator[Any]:
+        async with open_engine(config) as engine:
+            yield InterruptedAfterTheOthers(engine, others=2)
+
+    monkeypatch.setattr(cli_main, "_open_engine", interrupted_engine)
+    output = tmp_path / "out.jsonl"
+    args = ["--prompt", "wait", "--prompt", "a", "--prompt", "b"]
+    args += ["--output", str(output)] if to_file else []
+    status, printed, err = run_cli(generate_args(*args), capsys)
+    assert status == 130
+    kept = f"; their results are in {output}" if to_file else ""
+    assert error_lines(err) == [f"wavecore generate: interrupted: 2 of 3 prompts finished{kept}"]
+    if to_file:
+        rows = rows_by_index(output)
+        assert [(row["index"], row["prompt"]) for row in rows] == [(1, "a"), (2, "b")]
+    else:
+        assert "2. a" in printed and "3. b" in printed and "1. wait" not in printed
+    assert "Traceback" not in printed + err

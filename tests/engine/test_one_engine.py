@@ -271,3 +271,78 @@ async def test_every_bad_call_is_refused_with_its_own_error(engine: Engine) -> N
         await engine.resume()
         # None of it disturbed the request in flight.
         assert tokens(await rest_of(stream, first)) == expected("bystander", 30)
+
+
+# What a careless or hostile caller passes, and the engine's own error for it: the same at
+# every dp size (text crosses the wire between processes as UTF-8, so a lone surrogate
+# must be refused before it gets there, and in one rank's process too).
+LONE = "\ud800"
+BAD_CALLS: dict[str, tuple[Any, type[Exception], str]] = {
+    "bytes prompt": (lambda e: collect(e, b"hi", SamplingParams()), InvalidRequestError, "bytes"),
+    "bytearray prompt": (
+        lambda e: collect(e, bytearray(b"hi"), SamplingParams()),
+        InvalidRequestError,
+        "bytearray",
+    ),
+    "list request id": (
+        lambda e: collect(e, "x", SamplingParams(), request_id=["a"]),
+        InvalidRequestError,
+        "request_id",
+    ),
+    "int request id": (
+        lambda e: collect(e, "x", SamplingParams(), request_id=5),
+        InvalidRequestError,
+        "request_id",
+    ),
+    "surrogate request id": (
+        lambda e: collect(e, "x", SamplingParams(), request_id="a" + LONE),
+        InvalidRequestError,
+        "request_id is not valid Unicode",
+    ),
+    "surrogate prompt": (
+        lambda e: collect(e, "bad " + LONE, SamplingParams()),
+        InvalidRequestError,
+        "the prompt is not valid Unicode",
+    ),
+    "surrogate chat message": (
+        lambda e: collect(e, [{"role": "user", "content": LONE}], SamplingParams()),
+        InvalidRequestError,
+        "chat message 0 'content'",
+    ),
+    "surrogate stop string": (
+        lambda e: collect(e, "x", SamplingParams(stop=["ok", LONE])),
+        InvalidRequestError,
+        r"params.stop\[1\]",
+    ),
+    "list abort": (lambda e: e.abort(["a"]), InvalidRequestError, "request_id"),
+    "surrogate abort": (lambda e: e.abort(LONE), InvalidRequestError, "not valid Unicode"),
+    "text drain timeout": (
+        lambda e: e.scale(3, drain_timeout="x"),
+        ScalingRefusedError,
+        "drain_timeout",
+    ),
+    "nan drain timeout": (
+        lambda e: e.scale(3, drain_timeout=float("nan")),
+        ScalingRefusedError,
+        "drain_timeout",
+    ),
+    "wake_up tags not a list": (lambda e: e.wake_up(5), InvalidRequestError, "list of tags"),
+    "text rpc timeout": (
+        lambda e: e.collective_rpc("echo", timeout="y"),
+        InvalidRequestError,
+        "timeout",
+    ),
+}
+
+
+async def test_bad_arguments_are_refused_alike_at_every_dp_size(engine: Engine) -> None:
+    with anyio.fail_after(HANG_GUARD):
+        stream, first = await started(engine, "onlooker", 30, "onlooker")
+        for call, error, match in BAD_CALLS.values():
+            with pytest.raises(error, match=match):
+                await call(engine)
+        # None of it disturbed the request in flight, nor the engine.
+        assert tokens(await rest_of(stream, first)) == expected("onlooker", 30)
+        assert tokens(await collect(engine, "after", SamplingParams(max_tokens=5))) == expected(
+            "after", 5
+        )

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pynng
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_helpers import EXIT_GUARD, NULL_FLAGS, ServerProcess
@@ -51,6 +52,45 @@ def test_two_ranks_serve_and_report_metrics_per_rank(dp_server: ServerProcess) -
         families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
         ranks = {s.labels["engine"] for s in families["wavecore:num_requests_running"].samples}
         assert ranks == {"0", "1"}
+
+
+def listening_path(pid: int, name: str) -> str:
+    """The ipc socket file `pid` listens on whose name is `name` (from its descriptors'
+    inodes, looked up in the kernel's table of unix sockets)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = str(fd.readlink()) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes and fields[7].endswith(f"/{name}"):
+            return fields[7]
+    raise AssertionError(f"process {pid} listens on no socket named {name!r}")
+
+
+def test_a_hostile_frame_is_dropped_counted_and_served_past(dp_server: ServerProcess) -> None:
+    # An empty frame once killed the server (pynng raised a bare RuntimeError).
+    path = listening_path(dp_server.process.pid, "outputs")
+    with pynng.Push0(dial=f"ipc://{path}", send_timeout=10_000) as stranger:
+        for frame in (b"", b"\xff", b""):
+            stranger.send(frame)
+    with dp_server.client() as http:
+        deadline = time.monotonic() + EXIT_GUARD
+        while True:  # the frames arrive on another connection than the scrape's answers
+            families = text_string_to_metric_families(http.get("/metrics").text)
+            dropped = {
+                sample.labels["channel"]: sample.value
+                for family in families
+                if family.name == "wavecore:dropped_frames"
+                for sample in family.samples
+                if sample.name.endswith("_total")
+            }
+            if dropped.get("client outputs", 0) >= 3:
+                break
+            assert time.monotonic() < deadline, dropped
+        whole = http.post("/v1/completions", json={"prompt": "dp", "max_tokens": 5})
+        assert whole.json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_sigterm_leaves_no_process_behind(dp_server: ServerProcess) -> None:
