@@ -166,7 +166,8 @@ def test_logprobs_are_those_of_the_constrained_distribution(core: EngineCore) ->
     """Every alternative reported is a token the grammar allowed there, and the allowed
     tokens' probabilities add up to one."""
     spec = StructuredOutputs(choice=["yes", "no", "maybe"])
-    params = SamplingParams(temperature=0, max_tokens=10, logprobs=5, structured_outputs=spec)
+    # 20 alternatives cover every allowed first token (prefixes of the three options).
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=20, structured_outputs=spec)
     result = run(core, {"r": (chat(core, "Is the sky blue?"), params)})["r"]
     first = result["sampled"][0]
     finite = [(token, logprob) for token, logprob in first.top_logprobs if logprob > -1e30]
