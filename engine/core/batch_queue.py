@@ -55,7 +55,7 @@ from wavecore.statemachines import (
 )
 
 # What the copy of the loop is asked: the current step ran and left work.
-_WORK_LEFT = StepDone(executed=True, has_unfinished=True)
+_WORK_LEFT = StepDone(executed=True, has_unfinished=True, has_admitted=True)
 
 InFlight = tuple[SchedulerOutput, ModelJob[ModelOutput]]
 
@@ -88,11 +88,17 @@ class BatchQueue:
         if current is None:
             step = self._schedule(self._loop.machine)
             if step is None:
-                return StepDone(executed=False, has_unfinished=core.has_unfinished())
+                return StepDone(
+                    executed=False,
+                    has_unfinished=core.has_unfinished(),
+                    has_admitted=core.has_admitted(),
+                )
             current = (step, self._thread.start(core.execute, step))
         self._ahead = self._start_next(current[1])
         await self._finish(current, take_aborts)
-        done = StepDone(executed=True, has_unfinished=core.has_unfinished())
+        done = StepDone(
+            executed=True, has_unfinished=core.has_unfinished(), has_admitted=core.has_admitted()
+        )
         if not done.has_unfinished:
             await self.drain(take_aborts)  # rule 3: only finished requests in it
         return done

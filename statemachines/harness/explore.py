@@ -116,22 +116,30 @@ def _configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
             script=_pause_resume(mode),
         )
         configs.append((f"request-and-pause{suffix}", request_and_pause))
-    # A WAIT pause while a KEEP pause holds a request with steps left: the frozen
-    # scheduler must stay frozen until the resume.
-    repause = ExploreConfig(
+    # A request that stalls after its admission (``toy``: a preempted request waiting
+    # for a prefill step), under a WAIT pause: the rank must not vote for the pause,
+    # nor an independent one reach it, while the request is unfinished. Independent
+    # ranks (no votes) answer once the last admitted request finished, without a wave
+    # to end.
+    stalled = (RequestSpec(rank=dp_size - 1, steps=2, stalls=3),)
+    for lockstep, prefix in ((True, ""), (False, "independent-")):
+        config = ExploreConfig(
+            world=replace(world, lockstep=lockstep),
+            requests=stalled,
+            script=_pause_resume(PauseMode.WAIT),
+        )
+        configs.append((f"{prefix}request-stalls-and-pause-wait", config))
+    # Several requests in flight at once: the votes of a wave that serves more than
+    # one, with a WAIT pause whose drain ends on one rank while another request runs.
+    several = (RequestSpec(rank=0, steps=1), RequestSpec(rank=dp_size - 1, steps=1))
+    three = (*several, RequestSpec(rank=dp_size - 1, steps=1))
+    configs.append(("requests-3", ExploreConfig(world=world, requests=three)))
+    two_and_pause = ExploreConfig(
         world=world,
-        requests=(RequestSpec(rank=dp_size - 1, steps=2),),
-        script=(("pause", PauseMode.KEEP), ("pause", PauseMode.WAIT), ("resume",)),
+        requests=(several[1], RequestSpec(rank=dp_size - 1, steps=2)),
+        script=(("pause", PauseMode.WAIT), ("resume",)),
     )
-    configs.append(("request-and-repause", repause))
-    # Independent ranks (no votes): a WAIT-pausing rank answers once its last request
-    # finished, without a wave to end.
-    independent = ExploreConfig(
-        world=replace(world, lockstep=False),
-        requests=(RequestSpec(rank=dp_size - 1, steps=2),),
-        script=_pause_resume(PauseMode.WAIT),
-    )
-    configs.append(("independent-request-and-pause-wait", independent))
+    configs.append(("requests-2-and-pause-wait", two_and_pause))
     # A request for the rank a scale up adds: it reaches rank 0 while the client's table
     # has dp_size ranks, the new rank once the coordinator confirmed the new group.
     grow = ExploreConfig(
@@ -154,12 +162,39 @@ def _configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
     )
     return (
         *configs,
+        *repause_configs(dp_size),
         *scale_configs(dp_size),
         (f"scale-up-{dp_size + 1}-request", grow),
         (f"scale-down-{dp_size - 1}-request", shrink),
         ("sleep-keep-wake", sleep_keep),
         *death_configs(dp_size),
     )
+
+
+def repause_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
+    """A pause, then a pause of each other mode or a sleep of each mode while it holds
+    a request, then the resume or wake: the second call must keep its own contract
+    (``invariants.check_answer``: an ABORT drops what the first pause froze or held,
+    a WAIT after a KEEP loosens nothing). The request (two steps) reaches its rank at
+    any point: admitted, frozen half done, or held by the first pause (after an ABORT
+    pause, the only way one can be there)."""
+    world = WorldConfig(dp_size=dp_size, duplicate_wave_complete=False)
+    requests = (RequestSpec(rank=dp_size - 1, steps=2),)
+    configs = []
+    for first in PauseMode:
+        seconds: list[tuple[str, ClientOp, ClientOp]] = [
+            (f"pause-{mode.name.lower()}", ("pause", mode), ("resume",))
+            for mode in PauseMode
+            if mode is not first
+        ]
+        seconds += [
+            (f"sleep-{mode.name.lower()}", ("sleep", 1, mode), ("wake",)) for mode in PauseMode
+        ]
+        for suffix, second, undo in seconds:
+            script = (("pause", first), second, undo)
+            name = f"request-pause-{first.name.lower()}-then-{suffix}"
+            configs.append((name, ExploreConfig(world=world, requests=requests, script=script)))
+    return tuple(configs)
 
 
 def death_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:

@@ -107,13 +107,23 @@ def _kind(action: object) -> str:
 
 def check_answer(world: WorldView, r: int, mode: PauseMode | None) -> None:
     """Each call's contract, when rank ``r`` answers a pause or sleep in ``mode``: the
-    rank is paused; after an ABORT pause it holds nothing it admitted; after a WAIT
+    rank is paused; after an ABORT pause it holds nothing it admitted, nor any request
+    it held when the call reached it (frozen by an earlier pause or waiting under it:
+    the caller believes them aborted, so none may be resumed later); after a WAIT
     pause nothing it admitted is left either, unless an earlier KEEP pause froze it
     (rank rule 7: a pause while paused keeps what the first one decided). Requests that
     arrived since wait unadmitted."""
     machine = world.loops[r].machine
     if machine.pause_state is not PauseState.PAUSED:
         raise Violation("call_contract", f"rank {r} answered while {machine.pause_state.name}")
+    if mode is PauseMode.ABORT:
+        kept = sorted(world.client.doomed & {q.id for q in world.toys[r].requests})
+        if kept:
+            raise Violation(
+                "call_contract",
+                f"rank {r} answered an ABORT call still holding {kept}, which it held "
+                "when the call arrived",
+            )
     admitted = [q.id for q in world.toys[r].requests if q.admitted]
     kept_by_keep = machine.snapshot().pause_mode is PauseMode.KEEP
     if admitted and (mode is PauseMode.ABORT or (mode is PauseMode.WAIT and not kept_by_keep)):

@@ -145,6 +145,17 @@ class LoosensFrozenScheduler(RankMachine):
         )
 
 
+class AbortWhilePausedKeeps(RankMachine):
+    """Rank rule 7: an ABORT pause reaching a rank already paused is answered without
+    dropping anything, so the requests an earlier KEEP pause froze (or held) stay,
+    to be resumed later, while their caller believes them aborted."""
+
+    def pause_while_paused(
+        self, state: RankSnapshot, event: PauseRequested
+    ) -> tuple[RankSnapshot, tuple[object, ...]]:
+        return state, (PauseComplete(),)
+
+
 class VotesWhileDraining(RankMachine):
     """Rank rule 6: a WAIT-pausing rank votes for the pause while its own requests still
     run, so the consensus can freeze them half done."""
@@ -161,6 +172,25 @@ class IdlesWithWaitPausePending(RankMachine):
     def independent_pause_reached(self, state: RankSnapshot, event: StepDone) -> bool:
         return state.pause_state is PauseState.PENDING and (
             state.pause_mode is not PauseMode.WAIT or not event.executed
+        )
+
+
+class VotesWhileStalled(RankMachine):
+    """Rank rule 6: a WAIT-pausing rank votes for the pause after a step that ran
+    nothing, though a request it admitted (preempted, waiting for a prefill step) is
+    unfinished, so the consensus freezes it half done."""
+
+    def vote(self, state: RankSnapshot, event: StepDone, counter: int) -> StartVote:
+        return super().vote(state, replace(event, has_admitted=False), counter)
+
+
+class PausesOnStall(RankMachine):
+    """Rank rule 3: an independent WAIT-pausing rank takes a step that ran nothing for
+    the end of its drain, and answers with an admitted request unfinished."""
+
+    def independent_pause_reached(self, state: RankSnapshot, event: StepDone) -> bool:
+        return state.pause_state is PauseState.PENDING and (
+            state.pause_mode is not PauseMode.WAIT or not event.executed or not event.has_unfinished
         )
 
 
@@ -190,6 +220,14 @@ class PausedRankIgnoresSleep(RankMachine):
         if state.pause_state is PauseState.PAUSED:
             return state, (EnterSleep(level=event.level, tags=frozenset()),)
         return super().on_sleep(state, event)
+
+
+class AbortSleepKeepsHeld(RankMachine):
+    """Rank rule 10: an ABORT sleep under an ABORT pause drops nothing, so a request
+    held since that pause survives the sleep its caller believes aborted it."""
+
+    def sleep_aborts(self, state: RankSnapshot, event: SleepRequested) -> bool:
+        return event.mode is PauseMode.ABORT and state.pause_mode is not PauseMode.ABORT
 
 
 class KeepsLeavingRanks(ScalingMachine):
@@ -250,13 +288,17 @@ VARIANTS: dict[str, Variant] = {
     "equal_wave_no_wake": Variant(failure_mode=11, rank_class=IgnoresRequestForCurrentWave),
     # Rules of wavecore's own machines, not numbered in protocol.md.
     "repause_loosens_scheduler": Variant(failure_mode=None, rank_class=LoosensFrozenScheduler),
+    "abort_repause_keeps_requests": Variant(failure_mode=None, rank_class=AbortWhilePausedKeeps),
     "draining_rank_votes": Variant(failure_mode=None, rank_class=VotesWhileDraining),
     "independent_wait_pause_idles": Variant(
         failure_mode=None, rank_class=IdlesWithWaitPausePending
     ),
+    "stalled_rank_votes": Variant(failure_mode=None, rank_class=VotesWhileStalled),
+    "independent_pause_on_stall": Variant(failure_mode=None, rank_class=PausesOnStall),
     "switch_keeps_own_wave": Variant(failure_mode=None, rank_class=KeepsOwnCountersOnSwitch),
     "scale_pauses_staying_only": Variant(failure_mode=None, scaling_class=PausesOnlyStayingRanks),
     "paused_rank_ignores_sleep": Variant(failure_mode=None, rank_class=PausedRankIgnoresSleep),
+    "abort_sleep_keeps_held": Variant(failure_mode=None, rank_class=AbortSleepKeepsHeld),
     "scale_keeps_leaving_ranks": Variant(failure_mode=None, scaling_class=KeepsLeavingRanks),
     "shrink_without_undo": Variant(failure_mode=None, scaling_class=ShrinksWithoutUndo),
     "shrink_keeps_lost_wave": Variant(failure_mode=None, rank_class=KeepsLostGroupWave),

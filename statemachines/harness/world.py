@@ -402,7 +402,8 @@ class World:
             self._forward(r)
         self.toys[r] = replace(self.toys[r], requests=requests)
         self.end_requests(finished)
-        done = StepDone(executed=executed, has_unfinished=bool(requests))
+        admitted = any(q.admitted for q in requests)
+        done = StepDone(executed=executed, has_unfinished=bool(requests), has_admitted=admitted)
         self._complete(r, done)
 
     def _complete(self, r: int, result: object) -> None:
@@ -463,6 +464,9 @@ class World:
         its deadline (a rank behind it runs the steps it owes; a WAIT pause lets requests
         finish first, for as long as they take)."""
         client = replace(self.client, arrivals=self.client.arrivals | {r})
+        if client.awaited_mode is PauseMode.ABORT:
+            held = frozenset(q.id for q in self.toys[r].requests)
+            client = replace(client, doomed=client.doomed | held)
         if (
             client.awaited_mode in (PauseMode.KEEP, PauseMode.ABORT)
             and client.awaiting <= client.arrivals
@@ -689,6 +693,7 @@ class World:
                 awaited_mode=mode,
                 arrivals=frozenset(),
                 pause_deadline=None,
+                doomed=frozenset(),
             )
 
     def answered(self, r: int, call_id: int, error: str | None) -> None:
@@ -710,6 +715,7 @@ class World:
             awaited_mode=None,
             arrivals=frozenset(),
             pause_deadline=None,
+            doomed=frozenset(),
             paused=True,
         )
 
@@ -850,6 +856,7 @@ class World:
             awaiting=frozenset(),
             arrivals=frozenset(),
             pause_deadline=None,
+            doomed=frozenset(),
         )
         members = self.scaler.members or self.client.group
         event = RanksLost(old_dp_size=members, lost=tuple(sorted(self.dead)))

@@ -17,7 +17,7 @@ LARGE = (
     "request-and-pause",
     "request-and-pause-abort",
     "request-and-pause-wait",
-    "request-and-repause",
+    "request-pause-keep-then-pause-wait",
     "sleep-keep-wake",
     "request-and-death",
 )
