@@ -55,7 +55,10 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
    general). A pause while paused answers at once and only an ABORT touches the
    frozen scheduler.
 8. Requests reaching a paused or sleeping rank wait and say so (``RequestHeld``).
-9. Resume while PENDING is refused; resume while unpaused is a harmless no-op (a
+9. Resume while PENDING waits: the loop keeps it, and every input after it, until the
+   pause completes (``rank_loop`` rule 7; a scale's rollback resumes ranks whose pause
+   it abandoned), and the machine refuses one handed to it while PENDING; resume
+   while unpaused is a harmless no-op (a
    duplicate resume never sends one rank into the barrier alone); resume while paused
    clears the pause and ``ignore_start_wave`` and asks for the barrier, after which the
    ranks run if any of them holds work (rank 0 announces that wave).
@@ -528,6 +531,10 @@ class RankMachine(TableMachine[RankSnapshot]):
     def start_wave_ignored(self, state: RankSnapshot, event: StartWave) -> bool:
         """Rule 4."""
         return state.ignore_start_wave or event.wave < state.wave or state.running
+
+    def resume_waits(self) -> bool:
+        """Rule 9: a resume arriving now waits in the loop until the pause completes."""
+        return self._state.pause_state is PauseState.PENDING
 
     def duplicate_resume_actions(self, state: RankSnapshot) -> Result:
         """Rule 9: a resume while unpaused changes nothing."""

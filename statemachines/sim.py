@@ -10,7 +10,8 @@ Theory of operation:
 2. A scale is the script of the client's ``ScalingMachine`` (drain the leaving ranks,
    pause every rank KEEP, stop the leaving ones, switch groups, wait for the
    coordinator's new size, resume). ``step()`` runs its later parts, and a drain
-   timeout, as client moves among the others.
+   timeout, as client moves among the others; ``abort_scale()`` aborts it where the
+   machine rolls it back (never a random move: a scale would rarely finish).
 3. ``run()`` steps until nothing is left to deliver or step, then checks the end-state
    properties. Any broken property raises ``Violation`` carrying the whole trace.
 4. ``python -m wavecore.statemachines.sim --dp 3`` explores every interleaving of the
@@ -63,6 +64,7 @@ class Simulation:
             sync_interval=sync_interval,
             lockstep=lockstep,
             duplicate_wave_complete=duplicate_wave_complete,
+            abort_scales=True,
         )
         if variant is not None:
             if variant not in VARIANTS:
@@ -122,6 +124,15 @@ class Simulation:
                 f"scale to {dp_size}: must differ from {self.world.client.group} and be >= 1"
             )
         self._op(("scale", dp_size))
+
+    def abort_scale(self) -> bool:
+        """Abort the running scale where it can be rolled back (``World.abort_moves``);
+        False where it cannot. Never one of ``step``'s random moves: a scale would
+        rarely finish."""
+        if not self.world.abort_moves():
+            return False
+        self._guard(lambda: self.world.apply(("scale_abort",)))
+        return True
 
     # -- running ------------------------------------------------------------------------------
 

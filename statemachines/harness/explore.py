@@ -136,7 +136,7 @@ def _configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
     configs.append(("requests-3", ExploreConfig(world=world, requests=three)))
     two_and_pause = ExploreConfig(
         world=world,
-        requests=(several[1], RequestSpec(rank=dp_size - 1, steps=2)),
+        requests=(several[1], several[1]),
         script=(("pause", PauseMode.WAIT), ("resume",)),
     )
     configs.append(("requests-2-and-pause-wait", two_and_pause))
@@ -164,6 +164,7 @@ def _configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
         *configs,
         *repause_configs(dp_size),
         *scale_configs(dp_size),
+        *abort_configs(dp_size),
         (f"scale-up-{dp_size + 1}-request", grow),
         (f"scale-down-{dp_size - 1}-request", shrink),
         ("sleep-keep-wake", sleep_keep),
@@ -236,6 +237,31 @@ def scale_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
     return tuple(configs)
 
 
+def abort_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
+    """A scale up and, from two ranks on, a scale down, which the client may abort at
+    any moment the scaling machine rolls it back (``World.abort_moves``): every rank it
+    paused must be resumed (the pause may still be pending when the rollback's resume
+    arrives) and routing must cover every rank again; a second scale is refused in
+    every phase (``World`` checks it at each part of a scale)."""
+    world = WorldConfig(dp_size=dp_size, duplicate_wave_complete=False, abort_scales=True)
+    up = ExploreConfig(world=world, script=scale_script(dp_size + 1))
+    configs = [(f"scale-up-{dp_size + 1}-abort", up)]
+    if dp_size >= 2:
+        down = ExploreConfig(world=world, script=scale_script(dp_size - 1))
+        configs.append((f"scale-down-{dp_size - 1}-abort", down))
+    return tuple(configs)
+
+
+def abort_drain_config(dp_size: int) -> ExploreConfig:
+    """A scale down aborted while its leaving rank drains a request: the request must
+    finish there, and routing cover that rank again. Without the reduction (an abort
+    may cut in anywhere) its whole space is large (about 240,000 states at dp 2): the
+    tests bound its depth, and the simulation draws such runs at random."""
+    world = WorldConfig(dp_size=dp_size, duplicate_wave_complete=False, abort_scales=True)
+    request = (RequestSpec(rank=dp_size - 1, steps=1),)
+    return ExploreConfig(world=world, requests=request, script=scale_script(dp_size - 1))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Survey:
     """What a search that goes on past violations met: every rule broken, and the keys
@@ -266,7 +292,7 @@ def _client_moves(config: ExploreConfig, world: World, position: int) -> list[tu
         moves.append(("submit",))
     if position < len(config.script) and world.refusal(config.script[position]) is None:
         moves.append(("op",))
-    return moves + world.scale_moves() + world.death_moves()
+    return moves + world.scale_moves() + world.abort_moves() + world.death_moves()
 
 
 def _apply(config: ExploreConfig, world: World, position: int, move: tuple[object, ...]) -> int:
@@ -356,7 +382,12 @@ def _search(config: ExploreConfig, depth: int, survey: bool) -> ExploreResult:
                 op[0] != "scale" for op in config.script[position:]
             )
             scaling_over = no_scale_left and not world.scaler.active
-            scale_waits = world.scaler.active and world.client.awaited_call is not None
+            # An abort may cut into a scale at any moment: a scale moving on (rule 2a).
+            scale_waits = (
+                world.scaler.active
+                and world.client.awaited_call is not None
+                and not config.world.abort_scales
+            )
             reducible = scaling_over or (no_scale_left and scale_waits and not config.world.deaths)
             calm = _calm(config, world, position) if reducible else frozenset()
             submits_left = world.client.submitted < len(config.requests)

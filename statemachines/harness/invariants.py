@@ -18,9 +18,14 @@ whose ranks are not all in the new group numbered 0..n-1 (scale_roles), a reques
 ends twice (request_ended_twice), a shrink that drops other ranks than the dead ones or
 keeps other survivors, in another order (shrink_survivors).
 
+After every move, too: while no scale runs, new requests may go to every rank (an
+aborted scale down routes to its leaving ranks again).
+
 At quiescence (nothing to deliver, nothing to step): the coordinator agrees with the
-ranks (once a shrink switched: its survivors left their wave unended), every call the client waits for was answered, no scale is stuck, and every
-accepted request finished unless the engines are paused.
+ranks (once a shrink switched: its survivors left their wave unended), every call the
+client waits for was answered, no scale is stuck, no rank is paused or asleep unless
+the client paused it or a scale runs (an aborted scale resumed every rank it paused),
+and every accepted request finished unless the engines are paused.
 """
 
 from __future__ import annotations
@@ -66,6 +71,13 @@ def check_after_move(
         ]
         if unpaused:
             raise Violation("paused_view", f"the client sees paused engines, ranks {unpaused} not")
+    client = world.client
+    if not world.scaler.active and client.routing != client.group:
+        raise Violation(
+            "routing",
+            f"no scale runs, but requests go to ranks 0..{client.routing - 1} of "
+            f"{client.group} (a scale that ended left ranks without requests)",
+        )
     if world.client.asleep and not world.client.awaiting:  # the sleep was answered
         awake = [r for r in world.group if not world.loops[r].machine.asleep]
         if awake:
@@ -157,6 +169,13 @@ def check_quiescent(world: WorldView) -> None:
     if world.scaler.active and not world.scale_moves():
         raise Violation("scale_stuck", f"the scale is stuck in {world.scaler.phase.name}")
     paused = any(m.pause_state is not PauseState.UNPAUSED or m.asleep for m in machines)
+    if paused and not (client.paused or client.asleep or world.scaler.active):
+        stuck = [r for r, m in enumerate(machines) if m.pause_state is not PauseState.UNPAUSED]
+        raise Violation(
+            "paused_unseen",
+            f"ranks {stuck} stay paused, but the client resumed the engines or never "
+            "paused them (nothing will ever resume them)",
+        )
     lost = set(range(client.submitted)) - client.done
     if lost and not paused and not world.scaler.active:
         raise Violation("request_lost", f"requests {sorted(lost)} never finished")

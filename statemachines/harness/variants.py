@@ -31,7 +31,10 @@ from ..rank import (
 from ..scaling import (
     RanksLost,
     RanksPaused,
+    RouteTo,
+    ScaleAborted,
     ScalePhase,
+    ScaleRequested,
     ScalingMachine,
     ScalingSnapshot,
     StopRanks,
@@ -230,6 +233,26 @@ class AbortSleepKeepsHeld(RankMachine):
         return event.mode is PauseMode.ABORT and state.pause_mode is not PauseMode.ABORT
 
 
+class ResumeNeverWaits(RankMachine):
+    """Rank rule 9: a resume reaching a rank whose pause is still pending is handed to
+    the machine, which refuses it; the rank then completes the pause and stays paused
+    for good (a scale's rollback resumes ranks whose pause it abandoned)."""
+
+    def resume_waits(self) -> bool:
+        return False
+
+
+class AbortKeepsNarrowRouting(ScalingMachine):
+    """Scaling rule 8: a scale down aborted while it drains or pauses does not route to
+    its leaving ranks again: capacity is lost without a word."""
+
+    def on_aborted(
+        self, state: ScalingSnapshot, event: ScaleAborted
+    ) -> tuple[ScalingSnapshot, tuple[object, ...]]:
+        idle, actions = super().on_aborted(state, event)
+        return idle, tuple(action for action in actions if not isinstance(action, RouteTo))
+
+
 class KeepsLeavingRanks(ScalingMachine):
     """Scaling rule 4: a scale down switches the staying ranks to the smaller group but
     never stops the leaving ones."""
@@ -240,6 +263,16 @@ class KeepsLeavingRanks(ScalingMachine):
         _, actions = super().on_paused(state, event)
         kept = tuple(action for action in actions if not isinstance(action, StopRanks))
         return replace(state, phase=ScalePhase.SWITCHING), kept
+
+
+class RestartsOnSecondScale(ScalingMachine):
+    """Scaling rule 7: a second scale while one runs starts over from its request
+    instead of being refused, abandoning the first one's script half done."""
+
+    def on_second_request(
+        self, state: ScalingSnapshot, event: ScaleRequested
+    ) -> tuple[ScalingSnapshot, tuple[object, ...]]:
+        return self.on_requested(state, event)
 
 
 class ShrinksWithoutUndo(ScalingMachine):
@@ -299,7 +332,10 @@ VARIANTS: dict[str, Variant] = {
     "scale_pauses_staying_only": Variant(failure_mode=None, scaling_class=PausesOnlyStayingRanks),
     "paused_rank_ignores_sleep": Variant(failure_mode=None, rank_class=PausedRankIgnoresSleep),
     "abort_sleep_keeps_held": Variant(failure_mode=None, rank_class=AbortSleepKeepsHeld),
+    "resume_never_waits": Variant(failure_mode=None, rank_class=ResumeNeverWaits),
+    "abort_keeps_narrow_routing": Variant(failure_mode=None, scaling_class=AbortKeepsNarrowRouting),
     "scale_keeps_leaving_ranks": Variant(failure_mode=None, scaling_class=KeepsLeavingRanks),
+    "second_scale_restarts": Variant(failure_mode=None, scaling_class=RestartsOnSecondScale),
     "shrink_without_undo": Variant(failure_mode=None, scaling_class=ShrinksWithoutUndo),
     "shrink_keeps_lost_wave": Variant(failure_mode=None, rank_class=KeepsLostGroupWave),
 }

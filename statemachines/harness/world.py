@@ -59,7 +59,7 @@ from ..coordinator import (
     Resize,
     WaveCompleted,
 )
-from ..errors import ProtocolError
+from ..errors import ProtocolError, ReconfigurationActiveError
 from ..rank import (
     AwaitVote,
     DrainVote,
@@ -112,7 +112,9 @@ from ..scaling import (
     Resumed,
     ResumeRanks,
     RouteTo,
+    ScaleAborted,
     ScaleRequested,
+    ScaleRolledBack,
     ScalingMachine,
     StartRanks,
     StopRanks,
@@ -156,6 +158,8 @@ class WorldConfig:
     scaling_class: type[ScalingMachine] = ScalingMachine
     # How many ranks may die in one run (rule 5); 0 keeps every other scenario as it was.
     deaths: int = 0
+    # The client may abort a scale where the machine rolls it back (rule 7).
+    abort_scales: bool = False
 
 
 @dataclass(slots=True)
@@ -179,6 +183,9 @@ class World:
     # A shrink runs: its survivors paused out of a wave without ending it, so the
     # coordinator may believe it runs until they resume in the new group.
     shrinking: bool = False
+    # Rule 7: the switch call of a scale up aborted before its group formed; the joins
+    # it asked for fail (its new ranks are gone), keeping each rank in its old group.
+    aborted_switch: int | None = None
 
     @classmethod
     def start(cls, config: WorldConfig) -> World:
@@ -226,6 +233,7 @@ class World:
             broken_calls=self.broken_calls,
             dead=self.dead,
             shrinking=self.shrinking,
+            aborted_switch=self.aborted_switch,
         )
 
     def key(self) -> tuple[object, ...]:
@@ -281,6 +289,8 @@ class World:
             self._step(move[1])  # type: ignore[arg-type]
         elif move[0] in ("scale_next", "drain_timeout"):
             self._scale_move(move[0])  # type: ignore[arg-type]
+        elif move[0] == "scale_abort":
+            self._abort_scale()
         elif move[0] == "die":
             self._die(move[1])  # type: ignore[arg-type]
             rank_waves = []  # the survivors were renumbered: their waves stay as they were
@@ -382,13 +392,14 @@ class World:
             item = StartWave(wave=message[1], exclude_rank=message[2])  # type: ignore[arg-type]
         else:
             item = Call(call_id=message[1], request=message[2])  # type: ignore[arg-type]
-            if message[1] == self.client.awaited_call:
+            if message[1] == self.client.awaited_call and not loop.snapshot()[1].deferred:
                 self._arrived(r)
         self._note(lambda: f"    rank {r} <- {item}")
         self.loops[r].deliver(item, _RankEffects(self, r))
         if isinstance(item, Call) and isinstance(item.request, GroupLost):
             self._forget_votes(r)  # rank rule 13: its open votes went with the group
-        if kind == "add" and held_before and message[1] not in self.client.held:
+        deferred = item in self.loops[r].snapshot()[1].deferred  # rank_loop rule 7
+        if kind == "add" and held_before and not deferred and message[1] not in self.client.held:
             raise Violation(
                 "silent_wait", f"request {message[1]} reached paused/sleeping rank {r} unannounced"
             )
@@ -410,11 +421,24 @@ class World:
         self._note(
             lambda: f"    rank {r} completes {type(self.loops[r].pending).__name__}: {result}"
         )
+        deferred = self.loops[r].snapshot()[1].deferred
         try:
             self.loops[r].complete(result, _RankEffects(self, r))
         except ProtocolError as error:
             raise Violation("protocol_error", f"rank {r}: {error}") from error
+        if deferred:
+            self._released(r, deferred)
         self._settle(r)
+
+    def _released(self, r: int, deferred: tuple[object, ...]) -> None:
+        """The awaited call reached rank ``r`` only now if it waited behind a resume
+        (``rank_loop`` rule 7); the rank took it from its backlog."""
+        call = self.client.awaited_call
+        still = self.loops[r].snapshot()[1].deferred
+        if any(isinstance(item, Call) and item.call_id == call for item in deferred) and not any(
+            isinstance(item, Call) and item.call_id == call for item in still
+        ):
+            self._arrived(r)
 
     def _settle(self, r: int) -> None:
         """Complete what the rank waits for that completes at once (rule 3)."""
@@ -584,11 +608,13 @@ class World:
         """Whether rank ``r``'s collective belongs to the broken group: any vote or
         barrier while it is broken, a join only when a switch of the broken group asked
         for it (the shrink's own switch forms the survivors' group)."""
+        calls = self.loops[r].snapshot()[1].switch_calls
+        if isinstance(pending.action, JoinGroup) and self.aborted_switch in calls:
+            return True
         if self.broken_calls is None:
             return False
         if not isinstance(pending.action, JoinGroup):
             return True
-        calls = self.loops[r].snapshot()[1].switch_calls
         return any(call_id < self.broken_calls for call_id in calls)
 
     def _fail_collective(self, r: int, pending: Collective) -> None:
@@ -677,7 +703,27 @@ class World:
             old = self.client.group
             event = ScaleRequested(old_dp_size=old, dp_size=op[1])  # type: ignore[arg-type]
             self._scale_actions(self._handle(self.scaler, event, "scaler"))
+            self._check_second_scale_refused()
         check_after_move(self, self.coordinator.wave)
+
+    def _check_second_scale_refused(self) -> None:
+        """Scaling rule 7, in every phase a scale reaches: a second scale is refused
+        with ``ReconfigurationActiveError`` and changes nothing (the client's front end
+        refuses it the same way)."""
+        if not self.scaler.active:
+            return
+        scaler = self.scaler.copy()
+        before = scaler.snapshot()  # type: ignore[attr-defined]
+        second = ScaleRequested(old_dp_size=self.client.group, dp_size=self.client.group + 1)
+        try:
+            scaler.handle(second)  # type: ignore[attr-defined]
+        except ReconfigurationActiveError:
+            if scaler.snapshot() == before:  # type: ignore[attr-defined]
+                return
+        raise Violation(
+            "second_scale",
+            f"a second scale in {self.scaler.phase.name} was not refused, or changed the scale",
+        )
 
     def _call(self, ranks: range | tuple[int, ...], request: object, *, awaited: bool) -> None:
         call_id = self.client.calls
@@ -739,6 +785,44 @@ class World:
             moves.append(("scale_next",))
         return moves
 
+    def abort_moves(self) -> list[Move]:
+        """The client's abort of the running scale (rule 7), where the scaling machine
+        rolls it back: a scale down while it drains or pauses, a scale up while it
+        pauses or switches before its new group formed. Where it cannot (a scale down's
+        leaving ranks stopped, a switch that succeeded, a shrink) the engine is left
+        unusable by design (``ScaleAbandoned``), which is not modelled."""
+        if not self.config.abort_scales or self.shrinking:
+            return []
+        old, new = self.client.group, self.scaler.target_dp_size or 0
+        phase = self.scaler.phase.name
+        if phase in ("DRAINING", "PAUSING") or (
+            phase == "SWITCHING" and new > old and self.group_size == old
+        ):
+            return [("scale_abort",)]
+        return []
+
+    def _abort_scale(self) -> None:
+        if ("scale_abort",) not in self.abort_moves():
+            raise ClientRefused(f"scale_abort: not possible in {self.scaler.phase.name}")
+        self._note(f"client aborts the scale in {self.scaler.phase.name}")
+        if self.scaler.phase.name == "SWITCHING":
+            self.aborted_switch = self.client.awaited_call
+        # The call it waited for is abandoned; the ranks' answers come in unawaited.
+        self.client = replace(
+            self.client,
+            awaited_call=None,
+            awaited_mode=None,
+            awaiting=frozenset(),
+            arrivals=frozenset(),
+            pause_deadline=None,
+            doomed=frozenset(),
+            drain_timed_out=False,
+        )
+        self._scale_actions(self._handle(self.scaler, ScaleAborted(reason="aborted"), "scaler"))
+        for r, loop in enumerate(self.loops):
+            if isinstance(loop.pending, Collective):
+                self._settle(r)
+
     def _scale_move(self, kind: str) -> None:
         if (kind,) not in self.scale_moves():
             raise ClientRefused(f"{kind}: not possible in {self.scaler.phase.name}")
@@ -753,6 +837,7 @@ class World:
             return
         if self.scaler.phase.name == "DRAINING":
             self.client = replace(self.client, drain_timed_out=False)  # the drain is over
+        self._check_second_scale_refused()
         event = {
             "DRAINING": Drained(),
             "PAUSING": RanksPaused(),
@@ -787,7 +872,10 @@ class World:
             elif isinstance(action, ResumeRanks):
                 self._call(action.ranks, ResumeRequested(), awaited=False)
                 self.client = replace(self.client, paused=False)
-                self._scale_actions(self._handle(self.scaler, Resumed(), "scaler"))
+                if self.scaler.active:  # not a rollback's (rule 7)
+                    self._scale_actions(self._handle(self.scaler, Resumed(), "scaler"))
+            elif isinstance(action, ScaleRolledBack):
+                pass  # the caller's error: the engine serves at its old size
             elif isinstance(action, DropRanks):
                 self._drop_ranks(action)
             elif isinstance(action, LeaveGroup):
