@@ -129,6 +129,12 @@ def _configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
             script=_pause_resume(PauseMode.WAIT),
         )
         configs.append((f"{prefix}request-stalls-and-pause-wait", config))
+    # One rank drifts out of lockstep: the first vote that meets it must end with
+    # LockstepDriftError (``world`` rule 8).
+    drift = ExploreConfig(
+        world=replace(world, drift=True), requests=(RequestSpec(rank=dp_size - 1, steps=2),)
+    )
+    configs.append(("request-and-drift", drift))
     # Several requests in flight at once: the votes of a wave that serves more than
     # one, with a WAIT pause whose drain ends on one rank while another request runs.
     several = (RequestSpec(rank=0, steps=1), RequestSpec(rank=dp_size - 1, steps=1))
@@ -292,7 +298,10 @@ def _client_moves(config: ExploreConfig, world: World, position: int) -> list[tu
         moves.append(("submit",))
     if position < len(config.script) and world.refusal(config.script[position]) is None:
         moves.append(("op",))
-    return moves + world.scale_moves() + world.abort_moves() + world.death_moves()
+    if world.halted is not None:
+        return []  # the engine ended (``world`` rule 8)
+    extra = world.scale_moves() + world.abort_moves() + world.death_moves() + world.drift_moves()
+    return moves + extra
 
 
 def _apply(config: ExploreConfig, world: World, position: int, move: tuple[object, ...]) -> int:
@@ -389,6 +398,8 @@ def _search(config: ExploreConfig, depth: int, survey: bool) -> ExploreResult:
                 and not config.world.abort_scales
             )
             reducible = scaling_over or (no_scale_left and scale_waits and not config.world.deaths)
+            # A drift changes a rank outside its own moves: no reduction while one may come.
+            reducible = reducible and not world.drift_moves()
             calm = _calm(config, world, position) if reducible else frozenset()
             submits_left = world.client.submitted < len(config.requests)
             chosen = (persistent_moves(world, moves, calm, submits_left) if calm else None) or moves

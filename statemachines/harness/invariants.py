@@ -7,7 +7,9 @@ are the local halves of "never ahead of the ranks" that ``por`` relies on);
 the client sees the engines paused, or asleep, only while every rank is;
 no collective waits for a member that waits in another collective, or that is idle
 while nothing is in flight (deadlock; a vote waits only for the members that have not
-started it). The world itself raises the violations it sees as they happen: a forward
+started it). The world itself raises the violations it sees as they happen: a vote that met an
+injected drift taken without ``LockstepDriftError`` (drift_unnoticed; with it, the run
+ends there and nothing more is checked), a forward
 after the pause consensus or after the client saw the pause done, more forwards after
 a KEEP or ABORT pause reached every rank than rank rule 7 allows (slow_pause), a
 request waiting unannounced at a paused or sleeping rank, a refused call, a vote whose
@@ -58,6 +60,8 @@ def collective_members(world: WorldView, action: object) -> range:
 def check_after_move(
     world: WorldView, coordinator_wave_before: int, rank_waves_before: list[int] | None = None
 ) -> None:
+    if world.halted is not None:
+        return  # the engine ended with the named error (``world`` rule 8)
     wave = world.coordinator.wave
     if wave < coordinator_wave_before:
         raise Violation("coordinator_wave", f"went back from {coordinator_wave_before} to {wave}")
@@ -146,6 +150,8 @@ def check_answer(world: WorldView, r: int, mode: PauseMode | None) -> None:
 
 def check_quiescent(world: WorldView) -> None:
     """The end-state properties; call only when nothing is left to deliver or step."""
+    if world.halted is not None:
+        return  # the engine ended with the named error (``world`` rule 8)
     machines = [world.loops[r].machine for r in world.group]
     running = any(m.running for m in machines)
     coordinator = world.coordinator

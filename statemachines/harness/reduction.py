@@ -48,6 +48,8 @@ def world_key(world: WorldView) -> tuple[object, ...]:
         world.dead,
         world.shrinking,
         world.aborted_switch,
+        world.drifted,
+        world.halted,
     )
 
 

@@ -27,6 +27,7 @@ from ..rank import (
     StartVote,
     StartWave,
     StepDone,
+    SyncDone,
 )
 from ..scaling import (
     RanksLost,
@@ -253,6 +254,17 @@ class AbortKeepsNarrowRouting(ScalingMachine):
         return idle, tuple(action for action in actions if not isinstance(action, RouteTo))
 
 
+class IgnoresDrift(RankMachine):
+    """Rank rule 12: a vote whose voters disagree on wave or step counter is taken as if
+    they agreed, so a drift goes on until a later collective hangs."""
+
+    def on_sync_done(
+        self, state: RankSnapshot, event: SyncDone
+    ) -> tuple[RankSnapshot, tuple[object, ...]]:
+        blind = replace(event, wave_span=None, step_counter_span=None)
+        return super().on_sync_done(state, blind)
+
+
 class KeepsLeavingRanks(ScalingMachine):
     """Scaling rule 4: a scale down switches the staying ranks to the smaller group but
     never stops the leaving ones."""
@@ -334,6 +346,7 @@ VARIANTS: dict[str, Variant] = {
     "abort_sleep_keeps_held": Variant(failure_mode=None, rank_class=AbortSleepKeepsHeld),
     "resume_never_waits": Variant(failure_mode=None, rank_class=ResumeNeverWaits),
     "abort_keeps_narrow_routing": Variant(failure_mode=None, scaling_class=AbortKeepsNarrowRouting),
+    "ignores_drift": Variant(failure_mode=3, rank_class=IgnoresDrift),
     "scale_keeps_leaving_ranks": Variant(failure_mode=None, scaling_class=KeepsLeavingRanks),
     "second_scale_restarts": Variant(failure_mode=None, scaling_class=RestartsOnSecondScale),
     "shrink_without_undo": Variant(failure_mode=None, scaling_class=ShrinksWithoutUndo),

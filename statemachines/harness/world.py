@@ -43,6 +43,18 @@ Theory of operation:
 6. The world is a value: ``clone()`` is cheap (machines and loops keep their state in
    frozen snapshots) and ``key()`` (``reduction``) hashes everything that decides the
    future. ``invariants`` lists the properties checked.
+7. The client may abort a scale (``WorldConfig.abort_scales``) where its machine rolls
+   it back (scaling rule 8): while a scale down drains or pauses, while a scale up
+   pauses or switches before its new group formed. The call the scale waited for is
+   abandoned (its answers come in unawaited) and the rollback is performed: new ranks
+   stopped (a join they were to complete fails, and its rank stays in its old group),
+   routing restored, the old ranks resumed. A second scale is tried at every part of
+   a scale, and must be refused and change nothing.
+8. One rank may drift out of lockstep once (``WorldConfig.drift``): at the top of an
+   iteration of a running wave it runs one forward more than its peers and counts it.
+   A vote that meets the drift must end with ``LockstepDriftError`` (rank rule 12),
+   which ends the engine: the run stops there. A drift only a drained vote met ends
+   with its wave, unseen and harmless.
 """
 
 from __future__ import annotations
@@ -59,7 +71,7 @@ from ..coordinator import (
     Resize,
     WaveCompleted,
 )
-from ..errors import ProtocolError, ReconfigurationActiveError
+from ..errors import LockstepDriftError, ProtocolError, ReconfigurationActiveError
 from ..rank import (
     AwaitVote,
     DrainVote,
@@ -71,6 +83,7 @@ from ..rank import (
     PauseRequested,
     PauseState,
     RankMachine,
+    RankPhase,
     Reconfigured,
     ResumeBarrier,
     ResumeRequested,
@@ -160,6 +173,8 @@ class WorldConfig:
     deaths: int = 0
     # The client may abort a scale where the machine rolls it back (rule 7).
     abort_scales: bool = False
+    # One rank may drift out of lockstep once (rule 8).
+    drift: bool = False
 
 
 @dataclass(slots=True)
@@ -186,6 +201,9 @@ class World:
     # Rule 7: the switch call of a scale up aborted before its group formed; the joins
     # it asked for fail (its new ranks are gone), keeping each rank in its old group.
     aborted_switch: int | None = None
+    # Rule 8: a drift was injected; the error that ended the run (nothing moves after).
+    drifted: bool = False
+    halted: str | None = None
 
     @classmethod
     def start(cls, config: WorldConfig) -> World:
@@ -234,6 +252,8 @@ class World:
             dead=self.dead,
             shrinking=self.shrinking,
             aborted_switch=self.aborted_switch,
+            drifted=self.drifted,
+            halted=self.halted,
         )
 
     def key(self) -> tuple[object, ...]:
@@ -269,6 +289,8 @@ class World:
     def network_moves(self) -> list[Move]:
         """Deliveries and rank steps: everything but the client's own initiative."""
         moves: list[Move] = []
+        if self.halted is not None:
+            return moves  # rule 8: the engine ended with its error
         for sender, receiver in self.network.pairs():
             if isinstance(receiver, int) and not isinstance(
                 self.loops[receiver].pending, WaitForInput | RunStep
@@ -291,6 +313,8 @@ class World:
             self._scale_move(move[0])  # type: ignore[arg-type]
         elif move[0] == "scale_abort":
             self._abort_scale()
+        elif move[0] == "drift":
+            self._drift(move[1])  # type: ignore[arg-type]
         elif move[0] == "die":
             self._die(move[1])  # type: ignore[arg-type]
             rank_waves = []  # the survivors were renumbered: their waves stay as they were
@@ -424,6 +448,12 @@ class World:
         deferred = self.loops[r].snapshot()[1].deferred
         try:
             self.loops[r].complete(result, _RankEffects(self, r))
+        except LockstepDriftError as error:
+            if not self.drifted:
+                raise Violation("protocol_error", f"rank {r}: {error}") from error
+            self._note(f"    rank {r} ends the engine: {error}")
+            self.halted = type(error).__name__  # rule 8
+            return
         except ProtocolError as error:
             raise Violation("protocol_error", f"rank {r}: {error}") from error
         if deferred:
@@ -538,6 +568,8 @@ class World:
         """Rank ``r`` reads its oldest unread vote if every member started it."""
         index = self.toys[r].votes_read
         members = self.group
+        if self.halted is not None:
+            return False
         if self.broken_calls is not None:
             return False  # rule 5: the broken group's votes fail (``_settle``)
         if any(len(self.toys[q].votes) <= index for q in members):
@@ -545,14 +577,17 @@ class World:
         ballots = [self.toys[q].votes[index] for q in members]
         waves = {b.wave for b in ballots}
         steps = {b.step_counter for b in ballots}
-        if len(waves) > 1 or len(steps) > 1:
-            raise Violation("lockstep", f"a vote met waves {waves} and step counters {steps}")
         result = SyncDone(
             any_unfinished=any(b.has_unfinished for b in ballots),
             pausing_ranks=sum(b.pending_pause for b in ballots),
             wave_span=(min(waves), max(waves)),
             step_counter_span=(min(steps), max(steps)),
         )
+        if len(waves) > 1 or len(steps) > 1:
+            if not self.drifted:
+                raise Violation("lockstep", f"a vote met waves {waves} and step counters {steps}")
+            self._read_drift(r, result)
+            return True
         self.toys[r] = replace(self.toys[r], votes_read=index + 1)
         read = min(self.toys[q].votes_read for q in members)
         if read:  # every member read these: forget them
@@ -564,6 +599,44 @@ class World:
         self._note(f"rank {r} reads vote {index}: {result}")
         self._complete(r, result)
         return True
+
+    # -- an injected drift (rule 8) -------------------------------------------------------
+
+    def drift_moves(self) -> list[Move]:
+        """Where a drift may be injected: once, into a rank running a lockstep wave at
+        the top of an iteration."""
+        if not self.config.drift or self.drifted or self.halted is not None:
+            return []
+        return [
+            ("drift", r)
+            for r in self.group
+            if self.loops[r].machine.phase is RankPhase.RUNNING
+            and isinstance(self.loops[r].pending, RunStep)
+        ]
+
+    def _drift(self, r: int) -> None:
+        """Rank ``r`` runs one forward more than its peers and counts it (a bug the
+        protocol cannot rule out): its step counter is one ahead from now on."""
+        if ("drift", r) not in self.drift_moves():
+            raise ClientRefused(f"rank {r} cannot drift here")
+        self._note(f"rank {r} drifts: one extra forward, counted")
+        self.drifted = True
+        machine = self.loops[r].machine
+        self._forward(r)
+        machine.restore(replace(machine.snapshot(), step_counter=machine.step_counter + 1))
+
+    def _read_drift(self, r: int, result: SyncDone) -> None:
+        """A vote met the drift: the rank must end with ``LockstepDriftError`` (rank
+        rule 12), which ends the engine; anything else is a violation."""
+        self._note(f"rank {r} reads the drifted vote: {result}")
+        self._complete(r, result)
+        if self.halted is not None:
+            return
+        raise Violation(
+            "drift_unnoticed",
+            f"rank {r} took a vote of step counters {result.step_counter_span} without "
+            "LockstepDriftError",
+        )
 
     def _complete_collective(self, members: range) -> None:
         if len(self.loops) < len(members):

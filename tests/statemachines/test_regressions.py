@@ -249,3 +249,18 @@ def test_an_abort_sleep_under_an_abort_pause_drops_the_request_held_since() -> N
     # aborted everything sent before it.
     config = dict(repause_configs(2))["request-pause-abort-then-sleep-abort"]
     assert_guarded(config, "abort_sleep_keeps_held", {"call_contract"}, depth=40)
+
+
+@pytest.mark.parametrize("sync_interval", [1, 2, 3])
+def test_a_drift_ends_the_run_with_the_named_error(sync_interval: int) -> None:
+    world = World.start(WorldConfig(dp_size=2, sync_interval=sync_interval, drift=True))
+    world.submit(RequestSpec(rank=1, steps=6))
+    while moves := world.drift_moves() or world.network_moves():
+        world.apply(moves[0])
+    assert world.drifted and world.halted == "LockstepDriftError"
+    world.check_quiescent()  # nothing more is asked of an engine that ended
+
+
+def test_a_rank_that_takes_a_drifted_vote_is_caught() -> None:
+    config = dict(default_configs(2, 2))["request-and-drift"]
+    assert_guarded(config, "ignores_drift", {"drift_unnoticed"}, depth=30)
