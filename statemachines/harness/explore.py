@@ -77,9 +77,9 @@ def default_configs(dp_size: int, sync_interval: int = 1) -> tuple[tuple[str, Ex
     """The configurations the command line explores, every one with votes every
     ``sync_interval`` steps.
 
-    Each is explored to its end at dp_size 2 and 3 but the scale up and back down with
-    a rank's death at dp 3, which goes on past depth 60; the largest at dp 3 holds
-    about 180,000 states, a minute on 2 cores.
+    Most are explored to their end at depth 60; statemachines/README.md gives each
+    one's states, depth and time at dp 2 and 3 with votes every 1, 2 and 3 steps, and
+    which stop at the bound.
     """
     return tuple(
         (name, replace(config, world=replace(config.world, sync_interval=sync_interval)))
