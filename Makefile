@@ -23,15 +23,19 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/wavecore generate --demo
 
-# Every scenario of the explorer at dp 2 and dp 3 to depth 60 or its own cap (see the
-# README), then every broken variant at dp 2, each of which must be caught (exit 1);
-# `make test` runs the scenarios shallower.
+# Every scenario of the explorer at dp 2 and dp 3 with a vote every 1, 2 and 3 steps, to
+# depth 60 (statemachines/README.md gives each one's states and time), then every broken
+# variant at dp 2, each of which must be caught (exit 1), then the random simulation with
+# thousands of examples; `make test` runs fewer scenarios, shallower, and 300 examples.
 check-protocol: $(STAMP)
 	$(BIN)/python -m wavecore.statemachines.sim --dp 2
 	$(BIN)/python -m wavecore.statemachines.sim --dp 2 --sync-interval 2
 	$(BIN)/python -m wavecore.statemachines.sim --dp 2 --sync-interval 3
 	$(BIN)/python -m wavecore.statemachines.sim --dp 3
+	$(BIN)/python -m wavecore.statemachines.sim --dp 3 --sync-interval 2
+	$(BIN)/python -m wavecore.statemachines.sim --dp 3 --sync-interval 3
 	$(BIN)/python -m wavecore.statemachines.sim --dp 2 --every-variant
+	SIMULATION_EXAMPLES=5000 $(BIN)/python -m pytest -q tests/statemachines/test_simulation.py
 
 # Random rank kills and stops under load with on_rank_failure="shrink": SOAK_SEEDS seeds
 # per DP mode (`make test` runs two).

@@ -30,8 +30,8 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
    overlaps a forward instead of stopping every rank. Every rank reads the same result
    for the same vote, so their decisions stay identical. Only a vote stops a wave.
 3. Independent mode: no votes, no dummy batches, no waves; the rank runs while it has
-   work and pauses on its own (a WAIT pause after a step that ran nothing or finished
-   its last request).
+   work and pauses on its own (a WAIT pause after the step that left nothing it
+   admitted unfinished).
 4. A wake not decided by a collective is announced with ``NotifyStartWave``: a request
    reaching an idle unpaused rank (whatever its wave), or a ``StartWave`` acted upon.
    ``StartWave`` is ignored while ``ignore_start_wave`` is set, for an older wave, by
@@ -44,7 +44,9 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
    and ``step_counter = 0``.
 6. Pause phase 1 (PENDING): the scheduler is paused in the requested mode and a
    lockstep rank is forced running, so it keeps serving peers. It votes for the pause
-   at each vote (a WAIT pause only once nothing of its own executes any more; until
+   at each vote (a WAIT pause only once nothing of its own executes any more and
+   nothing it admitted is left, ``StepDone.has_admitted``: the real scheduler can run
+   nothing for several steps while a preempted request waits for a prefill step; until
    then it reports work, so the wave cannot end under it).
 7. Pause phase 2: when every rank voted for it, the wave ends, the vote still open is
    drained, ``ignore_start_wave`` is set, a WAIT scheduler is frozen (KEEP) and
@@ -53,7 +55,10 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
    general). A pause while paused answers at once and only an ABORT touches the
    frozen scheduler.
 8. Requests reaching a paused or sleeping rank wait and say so (``RequestHeld``).
-9. Resume while PENDING is refused; resume while unpaused is a harmless no-op (a
+9. Resume while PENDING waits: the loop keeps it, and every input after it, until the
+   pause completes (``rank_loop`` rule 7; a scale's rollback resumes ranks whose pause
+   it abandoned), and the machine refuses one handed to it while PENDING; resume
+   while unpaused is a harmless no-op (a
    duplicate resume never sends one rank into the barrier alone); resume while paused
    clears the pause and ``ignore_start_wave`` and asks for the barrier, after which the
    ranks run if any of them holds work (rank 0 announces that wave).
@@ -61,7 +66,8 @@ Theory of operation (numbers are referred to by tests and by the engine loop):
     lets them finish, KEEP freezes them; requests kept across a sleep that drops the
     KV cache are recomputed on wake), then ``EnterSleep``: level 0 puts "scheduling"
     to sleep, levels 1 and 2 "weights", "kv_cache" and "scheduling". A sleep while
-    paused sleeps at once (an ABORT one drops the requests the pause kept).
+    paused sleeps at once (an ABORT one drops the requests the pause kept or held,
+    under an earlier ABORT pause too).
     ``WakeUpRequested`` wakes the given parts; the rank resumes (rule 9) only when
     nothing is asleep any more. Resume while asleep is refused.
 11. Elastic scaling: ``SwitchRequested`` is taken only while paused and idle; the rank
@@ -156,8 +162,19 @@ class StartWave:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepDone:
+    """One scheduler step: whether it ran a forward, whether any request is unfinished,
+    and whether one the scheduler admitted is (running, or preempted and waiting to be
+    recomputed): what a WAIT pause lets finish (rule 6). A step may run nothing while
+    admitted work remains (a preempted request is readmitted only on a prefill step),
+    so ``executed`` alone cannot say a WAIT pause's drain is over."""
+
     executed: bool
     has_unfinished: bool
+    has_admitted: bool
+
+    def __post_init__(self) -> None:
+        if self.has_admitted and not self.has_unfinished:
+            raise ValueError("StepDone: has_admitted without has_unfinished")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -515,6 +532,10 @@ class RankMachine(TableMachine[RankSnapshot]):
         """Rule 4."""
         return state.ignore_start_wave or event.wave < state.wave or state.running
 
+    def resume_waits(self) -> bool:
+        """Rule 9: a resume arriving now waits in the loop until the pause completes."""
+        return self._state.pause_state is PauseState.PENDING
+
     def duplicate_resume_actions(self, state: RankSnapshot) -> Result:
         """Rule 9: a resume while unpaused changes nothing."""
         return state, ()
@@ -526,10 +547,11 @@ class RankMachine(TableMachine[RankSnapshot]):
 
     def vote(self, state: RankSnapshot, event: StepDone, counter: int) -> StartVote:
         """Rules 6 and 7: a pausing rank votes, a WAIT pause only once nothing of its
-        own executes any more. Until then it reports work, so the wave goes on until it
-        can vote: a draining rank that reported none could end the wave with its pause
-        still pending, leaving its peers to pause without it."""
-        draining = state.pause_mode is PauseMode.WAIT and event.executed
+        own executes any more and nothing it admitted is left (a step that ran nothing
+        may leave a preempted request to finish). Until then it reports work, so the
+        wave goes on until it can vote: a draining rank that reported none could end
+        the wave with its pause still pending, leaving its peers to pause without it."""
+        draining = state.pause_mode is PauseMode.WAIT and (event.executed or event.has_admitted)
         return StartVote(
             has_unfinished=event.has_unfinished or draining,
             pending_pause=state.pause_state is PauseState.PENDING and not draining,
@@ -539,11 +561,11 @@ class RankMachine(TableMachine[RankSnapshot]):
 
     def independent_pause_reached(self, state: RankSnapshot, event: StepDone) -> bool:
         """Rule 3: an independent rank reaches its pause on its own, a WAIT pause once
-        nothing of its own executes any more: after a step that ran nothing, or one that
-        finished its last request (it would otherwise go idle with the pause pending,
-        and never answer it)."""
+        nothing it admitted is left: after the step that finished its last admitted
+        request (it would otherwise go idle with the pause pending, and never answer
+        it), but not after a step that ran nothing while a preempted request waits."""
         return state.pause_state is PauseState.PENDING and (
-            state.pause_mode is not PauseMode.WAIT or not event.executed or not event.has_unfinished
+            state.pause_mode is not PauseMode.WAIT or not event.has_admitted
         )
 
     def switched(self, state: RankSnapshot, event: Reconfigured) -> RankSnapshot:
@@ -556,6 +578,13 @@ class RankMachine(TableMachine[RankSnapshot]):
             wave=event.wave,
             step_counter=event.step_counter,
         )
+
+    def sleep_aborts(self, state: RankSnapshot, event: SleepRequested) -> bool:
+        """Rule 10: an ABORT sleep drops what the rank holds whenever it comes, the
+        requests held since an earlier ABORT pause included (its caller believes every
+        request it sent before aborted); the other modes keep what a pause already
+        decided (a KEEP or WAIT pause never loosens, rule 7)."""
+        return event.mode is PauseMode.ABORT
 
     def pause_while_paused(self, state: RankSnapshot, event: PauseRequested) -> Result:
         """Rule 7: answered at once. Past consensus nothing may run, so only an ABORT
@@ -688,9 +717,7 @@ class RankMachine(TableMachine[RankSnapshot]):
         return pending, scheduler
 
     def on_sleep(self, state: RankSnapshot, event: SleepRequested) -> Result:
-        # An ABORT sleep drops what is in flight whenever it comes; the other modes keep
-        # what a pause already decided (a KEEP or WAIT pause never loosens, rule 7).
-        abort = event.mode is PauseMode.ABORT and state.pause_mode is not PauseMode.ABORT
+        abort = self.sleep_aborts(state, event)
         dropped: tuple[object, ...] = (PauseScheduler(mode=PauseMode.ABORT),) if abort else ()
         if state.pause_state is PauseState.PAUSED:
             tags = sleep_tags(event.level)

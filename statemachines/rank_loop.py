@@ -36,6 +36,12 @@ Theory of operation:
    given up with ``group_lost``: what it and the actions queued behind it would have
    done belonged to the broken group, so they are dropped, and the machine takes
    ``GroupLost`` (its rule 13) from whatever it was doing.
+7. A resume that reaches a rank whose pause is still pending waits, with every input
+   after it (in order), until the pause is no longer pending, and is delivered then:
+   exactly as if it had arrived later. Only a scale's rollback sends one (scaling
+   rule 8: it resumes the ranks whose pause it abandoned; the client refuses a resume
+   while its own pause is in flight), and the machine would refuse it (rank rule 9),
+   leaving the rank paused for good once its pause completes.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from .rank import (
     PauseMode,
     PauseRequested,
     PauseScheduler,
+    PauseState,
     RankMachine,
     RankSnapshot,
     Reconfigured,
@@ -209,6 +216,8 @@ class LoopSnapshot:
     pause_calls: tuple[int, ...] = ()
     sleep_calls: tuple[int, ...] = ()
     switch_calls: tuple[int, ...] = ()
+    # Rule 7: a resume that came while the pause was pending, and the inputs after it.
+    deferred: tuple[object, ...] = ()
 
 
 _TAKES_INPUT = (WaitForInput, RunStep)
@@ -262,6 +271,31 @@ class RankLoop:
         """One input, at the top of an iteration (rule 2)."""
         if not isinstance(self._state.pending, _TAKES_INPUT):
             raise ProtocolError("RankLoop", type(self._state.pending).__name__, item)
+        if self._state.deferred or self._defers(item):
+            self._state = replace(self._state, deferred=(*self._state.deferred, item))
+            return
+        self._take(item, effects)
+
+    def _defers(self, item: object) -> bool:
+        """Rule 7."""
+        return (
+            isinstance(item, Call)
+            and isinstance(item.request, ResumeRequested)
+            and self.machine.resume_waits()
+        )
+
+    def _release_deferred(self, effects: RankEffects) -> None:
+        """Rule 7: once the pause is no longer pending, the inputs that waited for it."""
+        while (
+            self._state.deferred
+            and isinstance(self._state.pending, _TAKES_INPUT)
+            and self.machine.pause_state is not PauseState.PENDING
+        ):
+            item, *rest = self._state.deferred
+            self._state = replace(self._state, deferred=tuple(rest))
+            self._take(item, effects)
+
+    def _take(self, item: object, effects: RankEffects) -> None:
         self._state = replace(self._state, pending=RunStep())
         if isinstance(item, NewRequest):
             effects.add_request(item.request_id, item.payload)
@@ -300,6 +334,7 @@ class RankLoop:
             self._state = replace(self._state, sleep_calls=())
             actions = tuple(_Reply(call_id=call_id) for call_id in calls)
         self._run((*actions, *queued), effects)
+        self._release_deferred(effects)
 
     def group_lost(self, effects: RankEffects) -> None:
         """Rule 6: the group broke under the pending operation; give it up. Refused (and
@@ -307,6 +342,7 @@ class RankLoop:
         actions = self.machine.handle(GroupLost())
         self._state = replace(self._state, pending=RunStep(), queued=())
         self._run(actions, effects)
+        self._release_deferred(effects)
 
     # -- calls ---------------------------------------------------------------------------
 

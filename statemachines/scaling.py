@@ -31,7 +31,8 @@ Theory of operation:
    ``ReconfigurationActiveError``.
 8. ``ScaleAborted`` before the switch rolls back (STARTING: ``StopRanks`` of the new
    ranks; DRAINING: ``RouteTo`` the old size; PAUSING: both as they apply, then
-   ``ResumeRanks``) and returns to IDLE with the engine at its old size. A scale up
+   ``ResumeRanks``, which a rank whose pause is still pending takes once the pause
+   completes, ``rank_loop`` rule 7) and returns to IDLE with the engine at its old size. A scale up
    aborted while SWITCHING rolls back like PAUSING: a rank whose new group does not
    form stays in its old group (and says so in its answer), and every old rank is
    still there to resume it. A scale down's leaving ranks are gone once SWITCHING, and

@@ -10,7 +10,8 @@ Theory of operation:
 2. A scale is the script of the client's ``ScalingMachine`` (drain the leaving ranks,
    pause every rank KEEP, stop the leaving ones, switch groups, wait for the
    coordinator's new size, resume). ``step()`` runs its later parts, and a drain
-   timeout, as client moves among the others.
+   timeout, as client moves among the others; ``abort_scale()`` aborts it where the
+   machine rolls it back (never a random move: a scale would rarely finish).
 3. ``run()`` steps until nothing is left to deliver or step, then checks the end-state
    properties. Any broken property raises ``Violation`` carrying the whole trace.
 4. ``python -m wavecore.statemachines.sim --dp 3`` explores every interleaving of the
@@ -19,8 +20,10 @@ Theory of operation:
    to depth 60 unless ``--depth`` says less, and
    exits 0 with "no violation", or 1 with the violating trace; ``--break NAME`` runs a
    deliberately broken variant, ``--scenario NAME`` only the configurations named.
-   Each configuration's line gives the depth reached, the states, the seconds, and
-   whether it explored every reachable state or stopped at its depth bound.
+   Each configuration's line gives the depth reached, the states, the seconds (wall
+   clock, and the process's CPU time, which a machine shared with other work does not
+   inflate), and whether it explored every reachable state or stopped at its depth
+   bound.
    ``--reduction none`` turns off the partial-order reduction (``harness/por.py``).
    ``--every-variant`` runs each broken variant through the scenarios instead and
    exits 1 if one escapes them all (a rule guarded only by a deeper or special search
@@ -63,6 +66,7 @@ class Simulation:
             sync_interval=sync_interval,
             lockstep=lockstep,
             duplicate_wave_complete=duplicate_wave_complete,
+            abort_scales=True,
         )
         if variant is not None:
             if variant not in VARIANTS:
@@ -122,6 +126,15 @@ class Simulation:
                 f"scale to {dp_size}: must differ from {self.world.client.group} and be >= 1"
             )
         self._op(("scale", dp_size))
+
+    def abort_scale(self) -> bool:
+        """Abort the running scale where it can be rolled back (``World.abort_moves``);
+        False where it cannot. Never one of ``step``'s random moves: a scale would
+        rarely finish."""
+        if not self.world.abort_moves():
+            return False
+        self._guard(lambda: self.world.apply(("scale_abort",)))
+        return True
 
     # -- running ------------------------------------------------------------------------------
 
@@ -208,16 +221,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = replace(config, reduction=args.reduction)
         if args.variant:
             config = config.broken(args.variant)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         result = explore(config, args.depth)
         seconds = time.perf_counter() - started
+        cpu = time.process_time() - cpu_started
         total += result.states
         extent = "every state" if result.complete else "stopped at the depth bound"
         print(
             f"{name}: dp={args.dp} sync_interval={args.sync_interval} "
             f"reduction={result.reduction} depth={result.depth} "
             f"states explored: {result.states} "
-            f"({seconds:.1f} s, {extent})"
+            f"({seconds:.1f} s, {cpu:.1f} s CPU, {extent})"
         )
         if result.violation is not None:
             print(result.violation.report())

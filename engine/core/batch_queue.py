@@ -63,7 +63,7 @@ from wavecore.statemachines import (
 )
 
 # What the copy of the loop is asked: the current step ran and left work.
-_WORK_LEFT = StepDone(executed=True, has_unfinished=True)
+_WORK_LEFT = StepDone(executed=True, has_unfinished=True, has_admitted=True)
 
 
 @dataclass(slots=True)
@@ -103,14 +103,20 @@ class BatchQueue:
         if current is None:
             step = self._schedule(self._loop.machine)
             if step is None:
-                return StepDone(executed=False, has_unfinished=core.has_unfinished())
+                return StepDone(
+                    executed=False,
+                    has_unfinished=core.has_unfinished(),
+                    has_admitted=core.has_admitted(),
+                )
             slot = core.bitmask_slot(step)
             current = InFlight(step, self._thread.start(core.execute, step, slot), slot)
             if slot is not None:
                 core.fill_bitmask(step, slot)  # nothing is ahead of it: rule 6
         self._ahead = self._start_next(current.job)
         await self._finish(current, take_aborts)
-        done = StepDone(executed=True, has_unfinished=core.has_unfinished())
+        done = StepDone(
+            executed=True, has_unfinished=core.has_unfinished(), has_admitted=core.has_admitted()
+        )
         if not done.has_unfinished:
             await self.drain(take_aborts)  # rule 3: only finished requests in it
         return done

@@ -178,6 +178,9 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_admitted(self) -> bool:
+        return self.scheduler.has_admitted()
+
     # -- one step --------------------------------------------------------------------
 
     def schedule(self, step_counter: int | None = None) -> SchedulerOutput | None:

@@ -366,7 +366,11 @@ class RankRunner:
             self._take_waiting_aborts(inbox)
             self._effects.emit(core.update(step, output))
             self.counts["real_steps"] += 1
-        return StepDone(executed=step is not None, has_unfinished=core.has_unfinished())
+        return StepDone(
+            executed=step is not None,
+            has_unfinished=core.has_unfinished(),
+            has_admitted=core.has_admitted(),
+        )
 
     async def _drain(self, inbox: MemoryObjectReceiveStream[Any]) -> None:
         """Rule 7: finish the step in flight ahead of the loop, if any."""

@@ -167,6 +167,15 @@ class Scheduler:
         """Whether any request is live (waiting, running or preempted), paused or not."""
         return bool(self._requests)
 
+    def has_admitted(self) -> bool:
+        """Whether a request this scheduler admitted is unfinished: running, or preempted
+        and waiting (at the front) to be recomputed. These are what a WAIT pause lets
+        finish; a step may schedule none of them (a preempted one is readmitted only on a
+        prefill step: `prefill_interval`, and not on a step that preempted), so a step
+        that ran nothing does not mean they are done."""
+        waiting = self._waiting
+        return bool(self._running) or bool(waiting and waiting[0].state is _PREEMPTED)
+
     def has_work(self) -> bool:
         """Whether `schedule()` could make progress in the current pause state.
 
@@ -176,8 +185,7 @@ class Scheduler:
         if self._pause is None:
             return bool(self._requests)
         if self._pause is not PauseMode.KEEP:
-            waiting = self._waiting
-            return bool(self._running) or bool(waiting and waiting[0].state is _PREEMPTED)
+            return self.has_admitted()
         return False
 
     def queues(self) -> tuple[tuple[Request, ...], tuple[Request, ...]]:

@@ -48,6 +48,9 @@ class ClientState:
     # reached all of them, the (wave, step) by which it must be done (rank rule 7).
     arrivals: frozenset[int] = frozenset()
     pause_deadline: tuple[int, int] | None = None
+    # The requests the ranks held when the awaited ABORT pause or sleep reached them:
+    # each must have ended by the rank's answer (held through an earlier pause too).
+    doomed: frozenset[int] = frozenset()
     paused: bool = False
     asleep: bool = False
     # The size the coordinator last published (a scale waits for its new size).

@@ -77,9 +77,9 @@ def default_configs(dp_size: int, sync_interval: int = 1) -> tuple[tuple[str, Ex
     """The configurations the command line explores, every one with votes every
     ``sync_interval`` steps.
 
-    Each is explored to its end at dp_size 2 and 3 but the scale up and back down with
-    a rank's death at dp 3, which goes on past depth 60; the largest at dp 3 holds
-    about 180,000 states, a minute on 2 cores.
+    Most are explored to their end at depth 60; statemachines/README.md gives each
+    one's states, depth and time at dp 2 and 3 with votes every 1, 2 and 3 steps, and
+    which stop at the bound.
     """
     return tuple(
         (name, replace(config, world=replace(config.world, sync_interval=sync_interval)))
@@ -116,22 +116,40 @@ def _configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
             script=_pause_resume(mode),
         )
         configs.append((f"request-and-pause{suffix}", request_and_pause))
-    # A WAIT pause while a KEEP pause holds a request with steps left: the frozen
-    # scheduler must stay frozen until the resume.
-    repause = ExploreConfig(
-        world=world,
-        requests=(RequestSpec(rank=dp_size - 1, steps=2),),
-        script=(("pause", PauseMode.KEEP), ("pause", PauseMode.WAIT), ("resume",)),
+    # A request that stalls after its admission (``toy``: a preempted request waiting
+    # for a prefill step), under a WAIT pause: the rank must not vote for the pause,
+    # nor an independent one reach it, while the request is unfinished. Independent
+    # ranks (no votes) answer once the last admitted request finished, without a wave
+    # to end.
+    stalled = (RequestSpec(rank=dp_size - 1, steps=2, stalls=3),)
+    for lockstep, prefix in ((True, ""), (False, "independent-")):
+        config = ExploreConfig(
+            world=replace(world, lockstep=lockstep),
+            requests=stalled,
+            script=_pause_resume(PauseMode.WAIT),
+        )
+        configs.append((f"{prefix}request-stalls-and-pause-wait", config))
+    # One rank drifts out of lockstep: the first vote that meets it must end with
+    # LockstepDriftError (``world`` rule 8).
+    drift = ExploreConfig(
+        world=replace(world, drift=True), requests=(RequestSpec(rank=dp_size - 1, steps=2),)
     )
-    configs.append(("request-and-repause", repause))
-    # Independent ranks (no votes): a WAIT-pausing rank answers once its last request
-    # finished, without a wave to end.
-    independent = ExploreConfig(
-        world=replace(world, lockstep=False),
-        requests=(RequestSpec(rank=dp_size - 1, steps=2),),
-        script=_pause_resume(PauseMode.WAIT),
-    )
-    configs.append(("independent-request-and-pause-wait", independent))
+    configs.append(("request-and-drift", drift))
+    # Several requests in flight at once: the votes of a wave that serves more than
+    # one, with a WAIT pause whose drain ends on one rank while another request runs.
+    several = (RequestSpec(rank=0, steps=1), RequestSpec(rank=dp_size - 1, steps=1))
+    three = (*several, RequestSpec(rank=dp_size - 1, steps=1))
+    # The larger scenarios come last: ``--every-variant`` tries the scenarios in order.
+    later = [("requests-3", ExploreConfig(world=world, requests=three))]
+    if dp_size == 2:
+        # Two requests for the rank a WAIT pause drains, one able to finish while the
+        # other runs. At dp 3 this runs past 700,000 states (over ten minutes).
+        two_and_pause = ExploreConfig(
+            world=world,
+            requests=(several[1], several[1]),
+            script=(("pause", PauseMode.WAIT), ("resume",)),
+        )
+        later.append(("requests-2-and-pause-wait", two_and_pause))
     # A request for the rank a scale up adds: it reaches rank 0 while the client's table
     # has dp_size ranks, the new rank once the coordinator confirmed the new group.
     grow = ExploreConfig(
@@ -155,11 +173,40 @@ def _configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
     return (
         *configs,
         *scale_configs(dp_size),
+        *abort_configs(dp_size),
         (f"scale-up-{dp_size + 1}-request", grow),
         (f"scale-down-{dp_size - 1}-request", shrink),
         ("sleep-keep-wake", sleep_keep),
         *death_configs(dp_size),
+        *later,
+        *repause_configs(dp_size),
     )
+
+
+def repause_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
+    """A pause, then a pause of each other mode or a sleep of each mode while it holds
+    a request, then the resume or wake: the second call must keep its own contract
+    (``invariants.check_answer``: an ABORT drops what the first pause froze or held,
+    a WAIT after a KEEP loosens nothing). The request (two steps) reaches its rank at
+    any point: admitted, frozen half done, or held by the first pause (after an ABORT
+    pause, the only way one can be there)."""
+    world = WorldConfig(dp_size=dp_size, duplicate_wave_complete=False)
+    requests = (RequestSpec(rank=dp_size - 1, steps=2),)
+    configs = []
+    for first in PauseMode:
+        seconds: list[tuple[str, ClientOp, ClientOp]] = [
+            (f"pause-{mode.name.lower()}", ("pause", mode), ("resume",))
+            for mode in PauseMode
+            if mode is not first
+        ]
+        seconds += [
+            (f"sleep-{mode.name.lower()}", ("sleep", 1, mode), ("wake",)) for mode in PauseMode
+        ]
+        for suffix, second, undo in seconds:
+            script = (("pause", first), second, undo)
+            name = f"request-pause-{first.name.lower()}-then-{suffix}"
+            configs.append((name, ExploreConfig(world=world, requests=requests, script=script)))
+    return tuple(configs)
 
 
 def death_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
@@ -201,6 +248,31 @@ def scale_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
     return tuple(configs)
 
 
+def abort_configs(dp_size: int) -> tuple[tuple[str, ExploreConfig], ...]:
+    """A scale up and, from two ranks on, a scale down, which the client may abort at
+    any moment the scaling machine rolls it back (``World.abort_moves``): every rank it
+    paused must be resumed (the pause may still be pending when the rollback's resume
+    arrives) and routing must cover every rank again; a second scale is refused in
+    every phase (``World`` checks it at each part of a scale)."""
+    world = WorldConfig(dp_size=dp_size, duplicate_wave_complete=False, abort_scales=True)
+    up = ExploreConfig(world=world, script=scale_script(dp_size + 1))
+    configs = [(f"scale-up-{dp_size + 1}-abort", up)]
+    if dp_size >= 2:
+        down = ExploreConfig(world=world, script=scale_script(dp_size - 1))
+        configs.append((f"scale-down-{dp_size - 1}-abort", down))
+    return tuple(configs)
+
+
+def abort_drain_config(dp_size: int) -> ExploreConfig:
+    """A scale down aborted while its leaving rank drains a request: the request must
+    finish there, and routing cover that rank again. Without the reduction (an abort
+    may cut in anywhere) its whole space is large (about 240,000 states at dp 2): the
+    tests bound its depth, and the simulation draws such runs at random."""
+    world = WorldConfig(dp_size=dp_size, duplicate_wave_complete=False, abort_scales=True)
+    request = (RequestSpec(rank=dp_size - 1, steps=1),)
+    return ExploreConfig(world=world, requests=request, script=scale_script(dp_size - 1))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Survey:
     """What a search that goes on past violations met: every rule broken, and the keys
@@ -231,7 +303,10 @@ def _client_moves(config: ExploreConfig, world: World, position: int) -> list[tu
         moves.append(("submit",))
     if position < len(config.script) and world.refusal(config.script[position]) is None:
         moves.append(("op",))
-    return moves + world.scale_moves() + world.death_moves()
+    if world.halted is not None:
+        return []  # the engine ended (``world`` rule 8)
+    extra = world.scale_moves() + world.abort_moves() + world.death_moves() + world.drift_moves()
+    return moves + extra
 
 
 def _apply(config: ExploreConfig, world: World, position: int, move: tuple[object, ...]) -> int:
@@ -321,8 +396,15 @@ def _search(config: ExploreConfig, depth: int, survey: bool) -> ExploreResult:
                 op[0] != "scale" for op in config.script[position:]
             )
             scaling_over = no_scale_left and not world.scaler.active
-            scale_waits = world.scaler.active and world.client.awaited_call is not None
+            # An abort may cut into a scale at any moment: a scale moving on (rule 2a).
+            scale_waits = (
+                world.scaler.active
+                and world.client.awaited_call is not None
+                and not config.world.abort_scales
+            )
             reducible = scaling_over or (no_scale_left and scale_waits and not config.world.deaths)
+            # A drift changes a rank outside its own moves: no reduction while one may come.
+            reducible = reducible and not world.drift_moves()
             calm = _calm(config, world, position) if reducible else frozenset()
             submits_left = world.client.submitted < len(config.requests)
             chosen = (persistent_moves(world, moves, calm, submits_left) if calm else None) or moves

@@ -7,7 +7,9 @@ are the local halves of "never ahead of the ranks" that ``por`` relies on);
 the client sees the engines paused, or asleep, only while every rank is;
 no collective waits for a member that waits in another collective, or that is idle
 while nothing is in flight (deadlock; a vote waits only for the members that have not
-started it). The world itself raises the violations it sees as they happen: a forward
+started it). The world itself raises the violations it sees as they happen: a vote that met an
+injected drift taken without ``LockstepDriftError`` (drift_unnoticed; with it, the run
+ends there and nothing more is checked), a forward
 after the pause consensus or after the client saw the pause done, more forwards after
 a KEEP or ABORT pause reached every rank than rank rule 7 allows (slow_pause), a
 request waiting unannounced at a paused or sleeping rank, a refused call, a vote whose
@@ -18,9 +20,14 @@ whose ranks are not all in the new group numbered 0..n-1 (scale_roles), a reques
 ends twice (request_ended_twice), a shrink that drops other ranks than the dead ones or
 keeps other survivors, in another order (shrink_survivors).
 
+After every move, too: while no scale runs, new requests may go to every rank (an
+aborted scale down routes to its leaving ranks again).
+
 At quiescence (nothing to deliver, nothing to step): the coordinator agrees with the
-ranks (once a shrink switched: its survivors left their wave unended), every call the client waits for was answered, no scale is stuck, and every
-accepted request finished unless the engines are paused.
+ranks (once a shrink switched: its survivors left their wave unended), every call the
+client waits for was answered, no scale is stuck, no rank is paused or asleep unless
+the client paused it or a scale runs (an aborted scale resumed every rank it paused),
+and every accepted request finished unless the engines are paused.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ def collective_members(world: WorldView, action: object) -> range:
 def check_after_move(
     world: WorldView, coordinator_wave_before: int, rank_waves_before: list[int] | None = None
 ) -> None:
+    if world.halted is not None:
+        return  # the engine ended with the named error (``world`` rule 8)
     wave = world.coordinator.wave
     if wave < coordinator_wave_before:
         raise Violation("coordinator_wave", f"went back from {coordinator_wave_before} to {wave}")
@@ -66,6 +75,13 @@ def check_after_move(
         ]
         if unpaused:
             raise Violation("paused_view", f"the client sees paused engines, ranks {unpaused} not")
+    client = world.client
+    if not world.scaler.active and client.routing != client.group:
+        raise Violation(
+            "routing",
+            f"no scale runs, but requests go to ranks 0..{client.routing - 1} of "
+            f"{client.group} (a scale that ended left ranks without requests)",
+        )
     if world.client.asleep and not world.client.awaiting:  # the sleep was answered
         awake = [r for r in world.group if not world.loops[r].machine.asleep]
         if awake:
@@ -107,13 +123,23 @@ def _kind(action: object) -> str:
 
 def check_answer(world: WorldView, r: int, mode: PauseMode | None) -> None:
     """Each call's contract, when rank ``r`` answers a pause or sleep in ``mode``: the
-    rank is paused; after an ABORT pause it holds nothing it admitted; after a WAIT
+    rank is paused; after an ABORT pause it holds nothing it admitted, nor any request
+    it held when the call reached it (frozen by an earlier pause or waiting under it:
+    the caller believes them aborted, so none may be resumed later); after a WAIT
     pause nothing it admitted is left either, unless an earlier KEEP pause froze it
     (rank rule 7: a pause while paused keeps what the first one decided). Requests that
     arrived since wait unadmitted."""
     machine = world.loops[r].machine
     if machine.pause_state is not PauseState.PAUSED:
         raise Violation("call_contract", f"rank {r} answered while {machine.pause_state.name}")
+    if mode is PauseMode.ABORT:
+        kept = sorted(world.client.doomed & {q.id for q in world.toys[r].requests})
+        if kept:
+            raise Violation(
+                "call_contract",
+                f"rank {r} answered an ABORT call still holding {kept}, which it held "
+                "when the call arrived",
+            )
     admitted = [q.id for q in world.toys[r].requests if q.admitted]
     kept_by_keep = machine.snapshot().pause_mode is PauseMode.KEEP
     if admitted and (mode is PauseMode.ABORT or (mode is PauseMode.WAIT and not kept_by_keep)):
@@ -124,6 +150,8 @@ def check_answer(world: WorldView, r: int, mode: PauseMode | None) -> None:
 
 def check_quiescent(world: WorldView) -> None:
     """The end-state properties; call only when nothing is left to deliver or step."""
+    if world.halted is not None:
+        return  # the engine ended with the named error (``world`` rule 8)
     machines = [world.loops[r].machine for r in world.group]
     running = any(m.running for m in machines)
     coordinator = world.coordinator
@@ -147,6 +175,13 @@ def check_quiescent(world: WorldView) -> None:
     if world.scaler.active and not world.scale_moves():
         raise Violation("scale_stuck", f"the scale is stuck in {world.scaler.phase.name}")
     paused = any(m.pause_state is not PauseState.UNPAUSED or m.asleep for m in machines)
+    if paused and not (client.paused or client.asleep or world.scaler.active):
+        stuck = [r for r, m in enumerate(machines) if m.pause_state is not PauseState.UNPAUSED]
+        raise Violation(
+            "paused_unseen",
+            f"ranks {stuck} stay paused, but the client resumed the engines or never "
+            "paused them (nothing will ever resume them)",
+        )
     lost = set(range(client.submitted)) - client.done
     if lost and not paused and not world.scaler.active:
         raise Violation("request_lost", f"requests {sorted(lost)} never finished")

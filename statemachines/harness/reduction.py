@@ -47,6 +47,9 @@ def world_key(world: WorldView) -> tuple[object, ...]:
         world.broken_calls,
         world.dead,
         world.shrinking,
+        world.aborted_switch,
+        world.drifted,
+        world.halted,
     )
 
 

@@ -1,7 +1,11 @@
 """The modelled scheduler behind each simulated rank: toy requests, toy steps.
 
 A toy request needs ``remaining`` forwards after ``stalls`` zero-token steps (a stall
-models a step that scheduled nothing while work remains, e.g. the prefill throttle).
+models a step that scheduled nothing while work remains). Its first scheduled step
+admits it, so every stall after the first is an admitted request's: the real
+scheduler's preempted request waiting for a prefill step (``prefill_interval``, and no
+admission on a step that preempted) can stall any number of times after admission, and
+that again after each preemption, while a WAIT pause waits for it (rank rule 6).
 The scheduler honours the rank machine's ``PauseScheduler`` modes as the engine's
 does: ABORT finished everything (done by the caller), WAIT runs only requests already
 admitted, KEEP runs nothing.

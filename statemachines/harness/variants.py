@@ -27,11 +27,15 @@ from ..rank import (
     StartVote,
     StartWave,
     StepDone,
+    SyncDone,
 )
 from ..scaling import (
     RanksLost,
     RanksPaused,
+    RouteTo,
+    ScaleAborted,
     ScalePhase,
+    ScaleRequested,
     ScalingMachine,
     ScalingSnapshot,
     StopRanks,
@@ -145,6 +149,17 @@ class LoosensFrozenScheduler(RankMachine):
         )
 
 
+class AbortWhilePausedKeeps(RankMachine):
+    """Rank rule 7: an ABORT pause reaching a rank already paused is answered without
+    dropping anything, so the requests an earlier KEEP pause froze (or held) stay,
+    to be resumed later, while their caller believes them aborted."""
+
+    def pause_while_paused(
+        self, state: RankSnapshot, event: PauseRequested
+    ) -> tuple[RankSnapshot, tuple[object, ...]]:
+        return state, (PauseComplete(),)
+
+
 class VotesWhileDraining(RankMachine):
     """Rank rule 6: a WAIT-pausing rank votes for the pause while its own requests still
     run, so the consensus can freeze them half done."""
@@ -161,6 +176,25 @@ class IdlesWithWaitPausePending(RankMachine):
     def independent_pause_reached(self, state: RankSnapshot, event: StepDone) -> bool:
         return state.pause_state is PauseState.PENDING and (
             state.pause_mode is not PauseMode.WAIT or not event.executed
+        )
+
+
+class VotesWhileStalled(RankMachine):
+    """Rank rule 6: a WAIT-pausing rank votes for the pause after a step that ran
+    nothing, though a request it admitted (preempted, waiting for a prefill step) is
+    unfinished, so the consensus freezes it half done."""
+
+    def vote(self, state: RankSnapshot, event: StepDone, counter: int) -> StartVote:
+        return super().vote(state, replace(event, has_admitted=False), counter)
+
+
+class PausesOnStall(RankMachine):
+    """Rank rule 3: an independent WAIT-pausing rank takes a step that ran nothing for
+    the end of its drain, and answers with an admitted request unfinished."""
+
+    def independent_pause_reached(self, state: RankSnapshot, event: StepDone) -> bool:
+        return state.pause_state is PauseState.PENDING and (
+            state.pause_mode is not PauseMode.WAIT or not event.executed or not event.has_unfinished
         )
 
 
@@ -192,6 +226,45 @@ class PausedRankIgnoresSleep(RankMachine):
         return super().on_sleep(state, event)
 
 
+class AbortSleepKeepsHeld(RankMachine):
+    """Rank rule 10: an ABORT sleep under an ABORT pause drops nothing, so a request
+    held since that pause survives the sleep its caller believes aborted it."""
+
+    def sleep_aborts(self, state: RankSnapshot, event: SleepRequested) -> bool:
+        return event.mode is PauseMode.ABORT and state.pause_mode is not PauseMode.ABORT
+
+
+class ResumeNeverWaits(RankMachine):
+    """Rank rule 9: a resume reaching a rank whose pause is still pending is handed to
+    the machine, which refuses it; the rank then completes the pause and stays paused
+    for good (a scale's rollback resumes ranks whose pause it abandoned)."""
+
+    def resume_waits(self) -> bool:
+        return False
+
+
+class AbortKeepsNarrowRouting(ScalingMachine):
+    """Scaling rule 8: a scale down aborted while it drains or pauses does not route to
+    its leaving ranks again: capacity is lost without a word."""
+
+    def on_aborted(
+        self, state: ScalingSnapshot, event: ScaleAborted
+    ) -> tuple[ScalingSnapshot, tuple[object, ...]]:
+        idle, actions = super().on_aborted(state, event)
+        return idle, tuple(action for action in actions if not isinstance(action, RouteTo))
+
+
+class IgnoresDrift(RankMachine):
+    """Rank rule 12: a vote whose voters disagree on wave or step counter is taken as if
+    they agreed, so a drift goes on until a later collective hangs."""
+
+    def on_sync_done(
+        self, state: RankSnapshot, event: SyncDone
+    ) -> tuple[RankSnapshot, tuple[object, ...]]:
+        blind = replace(event, wave_span=None, step_counter_span=None)
+        return super().on_sync_done(state, blind)
+
+
 class KeepsLeavingRanks(ScalingMachine):
     """Scaling rule 4: a scale down switches the staying ranks to the smaller group but
     never stops the leaving ones."""
@@ -202,6 +275,16 @@ class KeepsLeavingRanks(ScalingMachine):
         _, actions = super().on_paused(state, event)
         kept = tuple(action for action in actions if not isinstance(action, StopRanks))
         return replace(state, phase=ScalePhase.SWITCHING), kept
+
+
+class RestartsOnSecondScale(ScalingMachine):
+    """Scaling rule 7: a second scale while one runs starts over from its request
+    instead of being refused, abandoning the first one's script half done."""
+
+    def on_second_request(
+        self, state: ScalingSnapshot, event: ScaleRequested
+    ) -> tuple[ScalingSnapshot, tuple[object, ...]]:
+        return self.on_requested(state, event)
 
 
 class ShrinksWithoutUndo(ScalingMachine):
@@ -250,14 +333,22 @@ VARIANTS: dict[str, Variant] = {
     "equal_wave_no_wake": Variant(failure_mode=11, rank_class=IgnoresRequestForCurrentWave),
     # Rules of wavecore's own machines, not numbered in protocol.md.
     "repause_loosens_scheduler": Variant(failure_mode=None, rank_class=LoosensFrozenScheduler),
+    "abort_repause_keeps_requests": Variant(failure_mode=None, rank_class=AbortWhilePausedKeeps),
     "draining_rank_votes": Variant(failure_mode=None, rank_class=VotesWhileDraining),
     "independent_wait_pause_idles": Variant(
         failure_mode=None, rank_class=IdlesWithWaitPausePending
     ),
+    "stalled_rank_votes": Variant(failure_mode=None, rank_class=VotesWhileStalled),
+    "independent_pause_on_stall": Variant(failure_mode=None, rank_class=PausesOnStall),
     "switch_keeps_own_wave": Variant(failure_mode=None, rank_class=KeepsOwnCountersOnSwitch),
     "scale_pauses_staying_only": Variant(failure_mode=None, scaling_class=PausesOnlyStayingRanks),
     "paused_rank_ignores_sleep": Variant(failure_mode=None, rank_class=PausedRankIgnoresSleep),
+    "abort_sleep_keeps_held": Variant(failure_mode=None, rank_class=AbortSleepKeepsHeld),
+    "resume_never_waits": Variant(failure_mode=None, rank_class=ResumeNeverWaits),
+    "abort_keeps_narrow_routing": Variant(failure_mode=None, scaling_class=AbortKeepsNarrowRouting),
+    "ignores_drift": Variant(failure_mode=3, rank_class=IgnoresDrift),
     "scale_keeps_leaving_ranks": Variant(failure_mode=None, scaling_class=KeepsLeavingRanks),
+    "second_scale_restarts": Variant(failure_mode=None, scaling_class=RestartsOnSecondScale),
     "shrink_without_undo": Variant(failure_mode=None, scaling_class=ShrinksWithoutUndo),
     "shrink_keeps_lost_wave": Variant(failure_mode=None, rank_class=KeepsLostGroupWave),
 }

@@ -43,6 +43,18 @@ Theory of operation:
 6. The world is a value: ``clone()`` is cheap (machines and loops keep their state in
    frozen snapshots) and ``key()`` (``reduction``) hashes everything that decides the
    future. ``invariants`` lists the properties checked.
+7. The client may abort a scale (``WorldConfig.abort_scales``) where its machine rolls
+   it back (scaling rule 8): while a scale down drains or pauses, while a scale up
+   pauses or switches before its new group formed. The call the scale waited for is
+   abandoned (its answers come in unawaited) and the rollback is performed: new ranks
+   stopped (a join they were to complete fails, and its rank stays in its old group),
+   routing restored, the old ranks resumed. A second scale is tried at every part of
+   a scale, and must be refused and change nothing.
+8. One rank may drift out of lockstep once (``WorldConfig.drift``): at the top of an
+   iteration of a running wave it runs one forward more than its peers and counts it.
+   A vote that meets the drift must end with ``LockstepDriftError`` (rank rule 12),
+   which ends the engine: the run stops there. A drift only a drained vote met ends
+   with its wave, unseen and harmless.
 """
 
 from __future__ import annotations
@@ -59,7 +71,7 @@ from ..coordinator import (
     Resize,
     WaveCompleted,
 )
-from ..errors import ProtocolError
+from ..errors import LockstepDriftError, ProtocolError, ReconfigurationActiveError
 from ..rank import (
     AwaitVote,
     DrainVote,
@@ -71,6 +83,7 @@ from ..rank import (
     PauseRequested,
     PauseState,
     RankMachine,
+    RankPhase,
     Reconfigured,
     ResumeBarrier,
     ResumeRequested,
@@ -112,7 +125,9 @@ from ..scaling import (
     Resumed,
     ResumeRanks,
     RouteTo,
+    ScaleAborted,
     ScaleRequested,
+    ScaleRolledBack,
     ScalingMachine,
     StartRanks,
     StopRanks,
@@ -156,6 +171,10 @@ class WorldConfig:
     scaling_class: type[ScalingMachine] = ScalingMachine
     # How many ranks may die in one run (rule 5); 0 keeps every other scenario as it was.
     deaths: int = 0
+    # The client may abort a scale where the machine rolls it back (rule 7).
+    abort_scales: bool = False
+    # One rank may drift out of lockstep once (rule 8).
+    drift: bool = False
 
 
 @dataclass(slots=True)
@@ -179,6 +198,12 @@ class World:
     # A shrink runs: its survivors paused out of a wave without ending it, so the
     # coordinator may believe it runs until they resume in the new group.
     shrinking: bool = False
+    # Rule 7: the switch call of a scale up aborted before its group formed; the joins
+    # it asked for fail (its new ranks are gone), keeping each rank in its old group.
+    aborted_switch: int | None = None
+    # Rule 8: a drift was injected; the error that ended the run (nothing moves after).
+    drifted: bool = False
+    halted: str | None = None
 
     @classmethod
     def start(cls, config: WorldConfig) -> World:
@@ -226,6 +251,9 @@ class World:
             broken_calls=self.broken_calls,
             dead=self.dead,
             shrinking=self.shrinking,
+            aborted_switch=self.aborted_switch,
+            drifted=self.drifted,
+            halted=self.halted,
         )
 
     def key(self) -> tuple[object, ...]:
@@ -261,6 +289,8 @@ class World:
     def network_moves(self) -> list[Move]:
         """Deliveries and rank steps: everything but the client's own initiative."""
         moves: list[Move] = []
+        if self.halted is not None:
+            return moves  # rule 8: the engine ended with its error
         for sender, receiver in self.network.pairs():
             if isinstance(receiver, int) and not isinstance(
                 self.loops[receiver].pending, WaitForInput | RunStep
@@ -281,6 +311,10 @@ class World:
             self._step(move[1])  # type: ignore[arg-type]
         elif move[0] in ("scale_next", "drain_timeout"):
             self._scale_move(move[0])  # type: ignore[arg-type]
+        elif move[0] == "scale_abort":
+            self._abort_scale()
+        elif move[0] == "drift":
+            self._drift(move[1])  # type: ignore[arg-type]
         elif move[0] == "die":
             self._die(move[1])  # type: ignore[arg-type]
             rank_waves = []  # the survivors were renumbered: their waves stay as they were
@@ -382,13 +416,14 @@ class World:
             item = StartWave(wave=message[1], exclude_rank=message[2])  # type: ignore[arg-type]
         else:
             item = Call(call_id=message[1], request=message[2])  # type: ignore[arg-type]
-            if message[1] == self.client.awaited_call:
+            if message[1] == self.client.awaited_call and not loop.snapshot()[1].deferred:
                 self._arrived(r)
         self._note(lambda: f"    rank {r} <- {item}")
         self.loops[r].deliver(item, _RankEffects(self, r))
         if isinstance(item, Call) and isinstance(item.request, GroupLost):
             self._forget_votes(r)  # rank rule 13: its open votes went with the group
-        if kind == "add" and held_before and message[1] not in self.client.held:
+        deferred = item in self.loops[r].snapshot()[1].deferred  # rank_loop rule 7
+        if kind == "add" and held_before and not deferred and message[1] not in self.client.held:
             raise Violation(
                 "silent_wait", f"request {message[1]} reached paused/sleeping rank {r} unannounced"
             )
@@ -402,18 +437,38 @@ class World:
             self._forward(r)
         self.toys[r] = replace(self.toys[r], requests=requests)
         self.end_requests(finished)
-        done = StepDone(executed=executed, has_unfinished=bool(requests))
+        admitted = any(q.admitted for q in requests)
+        done = StepDone(executed=executed, has_unfinished=bool(requests), has_admitted=admitted)
         self._complete(r, done)
 
     def _complete(self, r: int, result: object) -> None:
         self._note(
             lambda: f"    rank {r} completes {type(self.loops[r].pending).__name__}: {result}"
         )
+        deferred = self.loops[r].snapshot()[1].deferred
         try:
             self.loops[r].complete(result, _RankEffects(self, r))
+        except LockstepDriftError as error:
+            if not self.drifted:
+                raise Violation("protocol_error", f"rank {r}: {error}") from error
+            self._note(f"    rank {r} ends the engine: {error}")
+            self.halted = type(error).__name__  # rule 8
+            return
         except ProtocolError as error:
             raise Violation("protocol_error", f"rank {r}: {error}") from error
+        if deferred:
+            self._released(r, deferred)
         self._settle(r)
+
+    def _released(self, r: int, deferred: tuple[object, ...]) -> None:
+        """The awaited call reached rank ``r`` only now if it waited behind a resume
+        (``rank_loop`` rule 7); the rank took it from its backlog."""
+        call = self.client.awaited_call
+        still = self.loops[r].snapshot()[1].deferred
+        if any(isinstance(item, Call) and item.call_id == call for item in deferred) and not any(
+            isinstance(item, Call) and item.call_id == call for item in still
+        ):
+            self._arrived(r)
 
     def _settle(self, r: int) -> None:
         """Complete what the rank waits for that completes at once (rule 3)."""
@@ -463,6 +518,9 @@ class World:
         its deadline (a rank behind it runs the steps it owes; a WAIT pause lets requests
         finish first, for as long as they take)."""
         client = replace(self.client, arrivals=self.client.arrivals | {r})
+        if client.awaited_mode is PauseMode.ABORT:
+            held = frozenset(q.id for q in self.toys[r].requests)
+            client = replace(client, doomed=client.doomed | held)
         if (
             client.awaited_mode in (PauseMode.KEEP, PauseMode.ABORT)
             and client.awaiting <= client.arrivals
@@ -510,6 +568,8 @@ class World:
         """Rank ``r`` reads its oldest unread vote if every member started it."""
         index = self.toys[r].votes_read
         members = self.group
+        if self.halted is not None:
+            return False
         if self.broken_calls is not None:
             return False  # rule 5: the broken group's votes fail (``_settle``)
         if any(len(self.toys[q].votes) <= index for q in members):
@@ -517,14 +577,17 @@ class World:
         ballots = [self.toys[q].votes[index] for q in members]
         waves = {b.wave for b in ballots}
         steps = {b.step_counter for b in ballots}
-        if len(waves) > 1 or len(steps) > 1:
-            raise Violation("lockstep", f"a vote met waves {waves} and step counters {steps}")
         result = SyncDone(
             any_unfinished=any(b.has_unfinished for b in ballots),
             pausing_ranks=sum(b.pending_pause for b in ballots),
             wave_span=(min(waves), max(waves)),
             step_counter_span=(min(steps), max(steps)),
         )
+        if len(waves) > 1 or len(steps) > 1:
+            if not self.drifted:
+                raise Violation("lockstep", f"a vote met waves {waves} and step counters {steps}")
+            self._read_drift(r, result)
+            return True
         self.toys[r] = replace(self.toys[r], votes_read=index + 1)
         read = min(self.toys[q].votes_read for q in members)
         if read:  # every member read these: forget them
@@ -536,6 +599,44 @@ class World:
         self._note(f"rank {r} reads vote {index}: {result}")
         self._complete(r, result)
         return True
+
+    # -- an injected drift (rule 8) -------------------------------------------------------
+
+    def drift_moves(self) -> list[Move]:
+        """Where a drift may be injected: once, into a rank running a lockstep wave at
+        the top of an iteration."""
+        if not self.config.drift or self.drifted or self.halted is not None:
+            return []
+        return [
+            ("drift", r)
+            for r in self.group
+            if self.loops[r].machine.phase is RankPhase.RUNNING
+            and isinstance(self.loops[r].pending, RunStep)
+        ]
+
+    def _drift(self, r: int) -> None:
+        """Rank ``r`` runs one forward more than its peers and counts it (a bug the
+        protocol cannot rule out): its step counter is one ahead from now on."""
+        if ("drift", r) not in self.drift_moves():
+            raise ClientRefused(f"rank {r} cannot drift here")
+        self._note(f"rank {r} drifts: one extra forward, counted")
+        self.drifted = True
+        machine = self.loops[r].machine
+        self._forward(r)
+        machine.restore(replace(machine.snapshot(), step_counter=machine.step_counter + 1))
+
+    def _read_drift(self, r: int, result: SyncDone) -> None:
+        """A vote met the drift: the rank must end with ``LockstepDriftError`` (rank
+        rule 12), which ends the engine; anything else is a violation."""
+        self._note(f"rank {r} reads the drifted vote: {result}")
+        self._complete(r, result)
+        if self.halted is not None:
+            return
+        raise Violation(
+            "drift_unnoticed",
+            f"rank {r} took a vote of step counters {result.step_counter_span} without "
+            "LockstepDriftError",
+        )
 
     def _complete_collective(self, members: range) -> None:
         if len(self.loops) < len(members):
@@ -580,11 +681,13 @@ class World:
         """Whether rank ``r``'s collective belongs to the broken group: any vote or
         barrier while it is broken, a join only when a switch of the broken group asked
         for it (the shrink's own switch forms the survivors' group)."""
+        calls = self.loops[r].snapshot()[1].switch_calls
+        if isinstance(pending.action, JoinGroup) and self.aborted_switch in calls:
+            return True
         if self.broken_calls is None:
             return False
         if not isinstance(pending.action, JoinGroup):
             return True
-        calls = self.loops[r].snapshot()[1].switch_calls
         return any(call_id < self.broken_calls for call_id in calls)
 
     def _fail_collective(self, r: int, pending: Collective) -> None:
@@ -673,7 +776,27 @@ class World:
             old = self.client.group
             event = ScaleRequested(old_dp_size=old, dp_size=op[1])  # type: ignore[arg-type]
             self._scale_actions(self._handle(self.scaler, event, "scaler"))
+            self._check_second_scale_refused()
         check_after_move(self, self.coordinator.wave)
+
+    def _check_second_scale_refused(self) -> None:
+        """Scaling rule 7, in every phase a scale reaches: a second scale is refused
+        with ``ReconfigurationActiveError`` and changes nothing (the client's front end
+        refuses it the same way)."""
+        if not self.scaler.active:
+            return
+        scaler = self.scaler.copy()
+        before = scaler.snapshot()  # type: ignore[attr-defined]
+        second = ScaleRequested(old_dp_size=self.client.group, dp_size=self.client.group + 1)
+        try:
+            scaler.handle(second)  # type: ignore[attr-defined]
+        except ReconfigurationActiveError:
+            if scaler.snapshot() == before:  # type: ignore[attr-defined]
+                return
+        raise Violation(
+            "second_scale",
+            f"a second scale in {self.scaler.phase.name} was not refused, or changed the scale",
+        )
 
     def _call(self, ranks: range | tuple[int, ...], request: object, *, awaited: bool) -> None:
         call_id = self.client.calls
@@ -689,6 +812,7 @@ class World:
                 awaited_mode=mode,
                 arrivals=frozenset(),
                 pause_deadline=None,
+                doomed=frozenset(),
             )
 
     def answered(self, r: int, call_id: int, error: str | None) -> None:
@@ -710,6 +834,7 @@ class World:
             awaited_mode=None,
             arrivals=frozenset(),
             pause_deadline=None,
+            doomed=frozenset(),
             paused=True,
         )
 
@@ -733,6 +858,44 @@ class World:
             moves.append(("scale_next",))
         return moves
 
+    def abort_moves(self) -> list[Move]:
+        """The client's abort of the running scale (rule 7), where the scaling machine
+        rolls it back: a scale down while it drains or pauses, a scale up while it
+        pauses or switches before its new group formed. Where it cannot (a scale down's
+        leaving ranks stopped, a switch that succeeded, a shrink) the engine is left
+        unusable by design (``ScaleAbandoned``), which is not modelled."""
+        if not self.config.abort_scales or self.shrinking:
+            return []
+        old, new = self.client.group, self.scaler.target_dp_size or 0
+        phase = self.scaler.phase.name
+        if phase in ("DRAINING", "PAUSING") or (
+            phase == "SWITCHING" and new > old and self.group_size == old
+        ):
+            return [("scale_abort",)]
+        return []
+
+    def _abort_scale(self) -> None:
+        if ("scale_abort",) not in self.abort_moves():
+            raise ClientRefused(f"scale_abort: not possible in {self.scaler.phase.name}")
+        self._note(f"client aborts the scale in {self.scaler.phase.name}")
+        if self.scaler.phase.name == "SWITCHING":
+            self.aborted_switch = self.client.awaited_call
+        # The call it waited for is abandoned; the ranks' answers come in unawaited.
+        self.client = replace(
+            self.client,
+            awaited_call=None,
+            awaited_mode=None,
+            awaiting=frozenset(),
+            arrivals=frozenset(),
+            pause_deadline=None,
+            doomed=frozenset(),
+            drain_timed_out=False,
+        )
+        self._scale_actions(self._handle(self.scaler, ScaleAborted(reason="aborted"), "scaler"))
+        for r, loop in enumerate(self.loops):
+            if isinstance(loop.pending, Collective):
+                self._settle(r)
+
     def _scale_move(self, kind: str) -> None:
         if (kind,) not in self.scale_moves():
             raise ClientRefused(f"{kind}: not possible in {self.scaler.phase.name}")
@@ -747,6 +910,7 @@ class World:
             return
         if self.scaler.phase.name == "DRAINING":
             self.client = replace(self.client, drain_timed_out=False)  # the drain is over
+        self._check_second_scale_refused()
         event = {
             "DRAINING": Drained(),
             "PAUSING": RanksPaused(),
@@ -781,7 +945,10 @@ class World:
             elif isinstance(action, ResumeRanks):
                 self._call(action.ranks, ResumeRequested(), awaited=False)
                 self.client = replace(self.client, paused=False)
-                self._scale_actions(self._handle(self.scaler, Resumed(), "scaler"))
+                if self.scaler.active:  # not a rollback's (rule 7)
+                    self._scale_actions(self._handle(self.scaler, Resumed(), "scaler"))
+            elif isinstance(action, ScaleRolledBack):
+                pass  # the caller's error: the engine serves at its old size
             elif isinstance(action, DropRanks):
                 self._drop_ranks(action)
             elif isinstance(action, LeaveGroup):
@@ -850,6 +1017,7 @@ class World:
             awaiting=frozenset(),
             arrivals=frozenset(),
             pause_deadline=None,
+            doomed=frozenset(),
         )
         members = self.scaler.members or self.client.group
         event = RanksLost(old_dp_size=members, lost=tuple(sorted(self.dead)))

@@ -62,8 +62,12 @@ def test_a_vote_reduces_work_pauses_and_spans_in_the_background() -> None:
 def test_drift_becomes_a_lockstep_drift_error_naming_the_counters() -> None:
     machine = RankMachine(0, 2, sync_interval=4)
     machine.handle(RequestArrived(request_id="r", wave=0))
-    machine.handle(StepDone(executed=True, has_unfinished=True))  # step 1: vote 1
-    machine.handle(StepDone(executed=True, has_unfinished=True))  # step 2: read vote 1
+    machine.handle(
+        StepDone(executed=True, has_unfinished=True, has_admitted=True)
+    )  # step 1: vote 1
+    machine.handle(
+        StepDone(executed=True, has_unfinished=True, has_admitted=True)
+    )  # step 2: read vote 1
     with pytest.raises(LockstepDriftError, match=r"step_counter 1 here, 1\.\.2"):
         machine.handle(
             SyncDone(

@@ -336,6 +336,28 @@ def test_paused_new_still_resumes_preempted_requests() -> None:
     assert scheduler.num_waiting == 1
 
 
+def test_an_admitted_request_can_wait_through_several_empty_steps_under_a_wait_pause() -> None:
+    # Why the rank machine's StepDone carries has_admitted: a preempted request is
+    # readmitted only on a prefill step, so a WAIT pause can see steps that run nothing
+    # while the request it must let finish is still there, more than once in a row.
+    scheduler, executor = make(num_kv_blocks=4, block_size=2, prefill_interval=3)
+    transcript = Transcript()
+    scheduler.add("old", [1, 2, 3, 4], SamplingParams(max_tokens=4))
+    scheduler.add("new", [5, 6, 7, 8], SamplingParams(max_tokens=4))
+    step(scheduler, executor, transcript)
+    step(scheduler, executor, transcript)  # preempts "new"
+    assert scheduler.get_request("new").state is RequestState.PREEMPTED  # type: ignore[union-attr]
+    scheduler.set_pause(PauseMode.WAIT)
+    empty_while_admitted = 0
+    while scheduler.has_admitted():
+        output = scheduler.schedule()
+        if output.is_empty:
+            empty_while_admitted += 1
+        scheduler.update(output, executor.execute(output.batch))
+    assert empty_while_admitted >= 2
+    assert not scheduler.has_unfinished()
+
+
 def test_prefill_throttle_admits_only_on_interval_steps() -> None:
     scheduler, executor = make(prefill_interval=3)
     scheduler.add("a", _prompt(1, 4), SamplingParams(max_tokens=9))

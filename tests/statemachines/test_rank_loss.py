@@ -204,7 +204,7 @@ def test_the_loop_gives_up_a_broken_collective_and_answers_a_waiting_pause() -> 
     loop.start(effects)  # type: ignore[arg-type]
     loop.machine.restore(_state(RankPhase.RUNNING, rank=0, dp_size=2, open_votes=1))
     loop.deliver(Call(call_id=7, request=PauseRequested(mode=PauseMode.KEEP)), effects)  # type: ignore[arg-type]
-    loop.complete(StepDone(executed=True, has_unfinished=True), effects)  # type: ignore[arg-type]
+    loop.complete(StepDone(executed=True, has_unfinished=True, has_admitted=True), effects)  # type: ignore[arg-type]
     assert loop.pending == Collective(action=AwaitVote())
     loop.group_lost(effects)  # type: ignore[arg-type]
     assert loop.pending == WaitForInput()

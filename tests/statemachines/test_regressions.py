@@ -22,6 +22,7 @@ from wavecore.statemachines.harness.explore import (
     death_configs,
     default_configs,
     explore,
+    repause_configs,
     scale_configs,
     scale_script,
 )
@@ -216,3 +217,50 @@ def test_an_independent_rank_answers_a_wait_pause_after_its_last_request() -> No
         script=(("pause", PauseMode.WAIT),),
     )
     assert_guarded(config, "independent_wait_pause_idles", {"call_unanswered"}, depth=14)
+
+
+# -- found by the scenarios of issue 29 ---------------------------------------------------
+
+
+@pytest.mark.parametrize("lockstep", [True, False])
+def test_a_wait_pause_waits_for_a_request_that_stalls_after_its_admission(
+    lockstep: bool,
+) -> None:
+    # A WAIT-pausing rank took a step that ran nothing for the end of its drain: with a
+    # request stalled after admission (the real scheduler's preempted request waiting
+    # for a prefill step) it voted for the pause, or reached it on its own, and the
+    # pause was answered with that request frozen half done.
+    name = (
+        "request-stalls-and-pause-wait" if lockstep else "independent-request-stalls-and-pause-wait"
+    )
+    config = dict(default_configs(2))[name]
+    variant = "stalled_rank_votes" if lockstep else "independent_pause_on_stall"
+    assert_guarded(config, variant, {"call_contract"}, depth=14)
+
+
+def test_an_abort_pause_under_a_keep_pause_drops_the_frozen_request() -> None:
+    config = dict(repause_configs(2))["request-pause-keep-then-pause-abort"]
+    assert_guarded(config, "abort_repause_keeps_requests", {"call_contract"}, depth=40)
+
+
+def test_an_abort_sleep_under_an_abort_pause_drops_the_request_held_since() -> None:
+    # An ABORT sleep reaching a rank paused ABORT dropped nothing, so a request that
+    # arrived during the pause (held) outlived the sleep that its caller believed had
+    # aborted everything sent before it.
+    config = dict(repause_configs(2))["request-pause-abort-then-sleep-abort"]
+    assert_guarded(config, "abort_sleep_keeps_held", {"call_contract"}, depth=40)
+
+
+@pytest.mark.parametrize("sync_interval", [1, 2, 3])
+def test_a_drift_ends_the_run_with_the_named_error(sync_interval: int) -> None:
+    world = World.start(WorldConfig(dp_size=2, sync_interval=sync_interval, drift=True))
+    world.submit(RequestSpec(rank=1, steps=6))
+    while moves := world.drift_moves() or world.network_moves():
+        world.apply(moves[0])
+    assert world.drifted and world.halted == "LockstepDriftError"
+    world.check_quiescent()  # nothing more is asked of an engine that ended
+
+
+def test_a_rank_that_takes_a_drifted_vote_is_caught() -> None:
+    config = dict(default_configs(2, 2))["request-and-drift"]
+    assert_guarded(config, "ignores_drift", {"drift_unnoticed"}, depth=30)

@@ -1,10 +1,17 @@
 """Random interleavings: hypothesis drives a Simulation (dp 2 or 3, a vote every 1, 2
-or 3 steps) with submits, deliveries, pauses in every mode (a pause of one mode while
-another holds included), resumes (duplicates included), sleeps and scaling."""
+or 3 steps) with submits (requests that stall after admission included), deliveries,
+pauses in every mode (a pause of one mode while another holds included), resumes
+(duplicates included), sleeps, scaling and aborted scales.
+
+``make test`` draws a few hundred examples; ``make check-protocol`` sets
+``SIMULATION_EXAMPLES`` to thousands, long enough to find what a few hundred miss."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -26,7 +33,7 @@ class DeploymentRules(RuleBasedStateMachine):
     def restart(self, seed: int, dp_size: int, sync_interval: int) -> None:
         self.sim = Simulation(dp_size, seed=seed, sync_interval=sync_interval)
 
-    @rule(steps=st.integers(1, 4), stalls=st.integers(0, 1))
+    @rule(steps=st.integers(1, 4), stalls=st.integers(0, 3))
     def submit(self, steps: int, stalls: int) -> None:
         # Any time, a reconfiguration included: the client balances over the ranks
         # that stay and the coordinator knows.
@@ -62,6 +69,10 @@ class DeploymentRules(RuleBasedStateMachine):
         if dp_size != world.client.group and allowed and not self.sim.reconfiguring:
             self.sim.scale(dp_size)
 
+    @rule()
+    def abort_scale(self) -> None:
+        self.sim.abort_scale()  # where the scale can be rolled back, else nothing
+
     @invariant()
     def ranks_agree_on_the_wave_when_idle(self) -> None:
         world = self.sim.world
@@ -84,6 +95,9 @@ class DeploymentRules(RuleBasedStateMachine):
 
 
 TestDeployment = DeploymentRules.TestCase
+TestDeployment.settings = settings(
+    max_examples=int(os.environ.get("SIMULATION_EXAMPLES", "300")), stateful_step_count=30
+)
 
 
 def test_a_run_that_never_settles_is_a_violation_not_a_success() -> None:

@@ -54,9 +54,10 @@ RANK_EVENTS = [
     RequestArrived(request_id="b", wave=3),
     StartWave(wave=1, exclude_rank=0),
     StartWave(wave=2, exclude_rank=1),
-    StepDone(executed=True, has_unfinished=True),
-    StepDone(executed=False, has_unfinished=True),
-    StepDone(executed=False, has_unfinished=False),
+    StepDone(executed=True, has_unfinished=True, has_admitted=True),
+    StepDone(executed=False, has_unfinished=True, has_admitted=True),
+    StepDone(executed=False, has_unfinished=True, has_admitted=False),
+    StepDone(executed=False, has_unfinished=False, has_admitted=False),
     SyncDone(any_unfinished=True, pausing_ranks=0),
     SyncDone(any_unfinished=False, pausing_ranks=0),
     SyncDone(any_unfinished=False, pausing_ranks=2),
@@ -202,8 +203,10 @@ def test_scaling_every_state_and_event(phase: ScalePhase, old: int, new: int) ->
 def test_a_vote_with_drift_fails_loudly() -> None:
     machine = RankMachine(0, 2, sync_interval=4)
     machine.handle(RequestArrived(request_id="r", wave=0))
-    machine.handle(StepDone(executed=True, has_unfinished=True))  # starts vote 1
-    machine.handle(StepDone(executed=True, has_unfinished=True))  # starts 2, awaits 1
+    machine.handle(StepDone(executed=True, has_unfinished=True, has_admitted=True))  # starts vote 1
+    machine.handle(
+        StepDone(executed=True, has_unfinished=True, has_admitted=True)
+    )  # starts 2, awaits 1
     before = machine.snapshot()
     with pytest.raises(ProtocolError, match=r"step_counter 1 here, 1\.\.3"):
         machine.handle(SyncDone(any_unfinished=True, pausing_ranks=0, step_counter_span=(1, 3)))
