@@ -8,8 +8,11 @@ measured on the machine itself, at load, and kept on disk (`kernel_cache.py`).
 Theory of operation: float32 on a CPU with oneDNN has a choice of two kernels
 ("blas" or "onednn"); `weights="auto"` adds the rounding kernels this CPU runs fast,
 "onednn-bf16" where it has native bfloat16 and "fbgemm" (int8), each admitted only if
-its predictions stay within `quality.BUDGET` of float32's on the model at hand
-(measured by the caller's `quality`, on the loaded weights). For each shape class, the
+the model's predictions with it stay within `quality.MIN_AGREEMENT` and
+`MAX_PERPLEXITY_CHANGE` of float32's (judged by the caller's `quality`, on the loaded
+weights; only for kernels the clock would choose, since judging runs the model in
+that form: a kernel that fails is dropped and the plan made again from the same
+timings). For each shape class, the
 kernels run a "mini model": whole units of one layer's projections plus a
 1/num_layers slice of the LM head's rows, so each kernel's time is weighted as in a
 real step. A decode pass streams through enough units to exceed `_STREAM_BYTES`
@@ -18,7 +21,7 @@ memory, and in-cache timings would rank kernels otherwise); the compute-bound cl
 run one unit. The kernels alternate within each round, so a burst of load from
 another process hits all of them, and each is judged by its fastest round: outside
 load only ever adds time, and on a shared 2-core machine a busy neighbour slowed every
-parallel op of a round several-fold (best then ranked kernels by their number of
+parallel op of a round several-fold (medians then ranked kernels by their number of
 ops, not their speed).
 
 Rules:
