@@ -337,19 +337,6 @@ def test_the_weights_and_dtype_flags_reach_the_engine_configuration(command: str
         build_parser().parse_args([command, "--dtype", "float64"])
 
 
-@pytest.mark.parametrize("command", ["generate", "serve", "rank"])
-def test_flags_every_rank_shares_reach_the_engine_configuration(command: str) -> None:
-    from wavecore.engine.cli.main import _engine_config
-
-    rank_args = ["--dp-rank", "0", "--dp-size", "2", "--master", "h:1"] if command == "rank" else []
-    shared = ["--on-rank-failure", "shrink", "--async-scheduling"]
-    args = build_parser().parse_args([command, *rank_args, "--executor", "null", *shared])
-    config = _engine_config(args)
-    assert (config.on_rank_failure, config.async_scheduling) == ("shrink", True)
-    default = _engine_config(build_parser().parse_args([command, *rank_args]))
-    assert (default.on_rank_failure, default.async_scheduling) == ("fail", False)
-
-
 def test_the_summary_names_the_kernel_each_shape_class_ran() -> None:
     from rich.console import Console
 
@@ -374,3 +361,16 @@ def test_the_summary_names_the_kernel_each_shape_class_ran() -> None:
     out = io.StringIO()
     Console(file=out, width=200).print(summary_table(summary))  # the null executor: none
     assert "kernels" not in out.getvalue()
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "rank"])
+def test_flags_every_rank_shares_reach_the_engine_configuration(command: str) -> None:
+    from wavecore.engine.cli.main import _engine_config
+
+    rank_args = ["--dp-rank", "0", "--dp-size", "2", "--master", "h:1"] if command == "rank" else []
+    shared = ["--on-rank-failure", "shrink", "--async-scheduling"]
+    args = build_parser().parse_args([command, *rank_args, "--executor", "null", *shared])
+    config = _engine_config(args)
+    assert (config.on_rank_failure, config.async_scheduling) == ("shrink", True)
+    default = _engine_config(build_parser().parse_args([command, *rank_args]))
+    assert (default.on_rank_failure, default.async_scheduling) == ("fail", False)
