@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/serve.py
 	$(BIN)/python bench/weights.py
 	$(BIN)/python bench/int8_quality.py
+	$(BIN)/python bench/paths.py
 
 # Opt-in, never part of `make test` or `make bench`: llama.cpp as a peer on the same GGUF
 # in the same run (bench/llamacpp_peer.py). pip builds llama-cpp-python from source, about

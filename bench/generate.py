@@ -1,6 +1,7 @@
 """End-to-end generation throughput: wavecore's async engine against transformers.
 
-Side by side in one run, same model (the default SmolLM2-135M GGUF, float32), same
+Side by side in one run, same model (the default SmolLM2-135M GGUF; wavecore on the
+path `--weights`/`--dtype` name, by default "auto", the kernels it prints), same
 prompts (token ids of mixed lengths), same number of output tokens, greedy:
 - wavecore through `open_engine`/`generate` with up to C requests in flight;
 - transformers `generate` with left padding, C prompts per batch.
@@ -271,9 +272,15 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true", help="do not run transformers")
     parser.add_argument(
         "--weights",
-        choices=("float32", "int8"),
-        default="float32",
-        help="wavecore's weight format (EngineConfig.weights)",
+        choices=("auto", "float32", "int8"),
+        default="auto",
+        help="wavecore's weight format (EngineConfig.weights; auto: the default path)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="wavecore's compute dtype (EngineConfig.dtype)",
     )
     parser.add_argument(
         "--concurrency",
@@ -295,6 +302,7 @@ def main() -> None:
     config = EngineConfig(
         executor=args.executor,
         weights=args.weights,
+        dtype=args.dtype,
         max_num_seqs=64,
         max_num_batched_tokens=2048,
         kv_cache_memory=2**28 if args.quick else KV_CACHE_MEMORY,
@@ -341,6 +349,7 @@ def main() -> None:
             "new_tokens": new_tokens,
             "greedy": True,
             "weights": args.weights,
+            "dtype": args.dtype,
         },
         "rows": rows,
         "headline": summary,

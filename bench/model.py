@@ -7,9 +7,12 @@ For each decode batch size B, both sides prefill the same B prompts (token ids,
 and at batch 1 also transformers `generate` and, where llama-cpp-python is installed
 (`make bench-llamacpp`), llama.cpp's decode on the same GGUF, prompt and step count
 (`bench/llamacpp_peer.py`), in rounds alternating with wavecore's float32 (and int8)
-executors: one line and the JSON's "llamacpp". With `--weights float32 int8` (the
-default) wavecore runs again with `weights="int8"` (int8 projections and LM head,
-`engine/model/int8_linear.py`), same prompts, same run, as its own column.
+executors: one line and the JSON's "llamacpp". The reference column is wavecore in
+float32 (`weights="float32"`, `dtype="float32"`); with `--weights float32 int8 auto`
+(the default) wavecore runs again with `weights="int8"` (int8 projections and LM head,
+`engine/model/int8_linear.py`) and with the default path (`weights="auto"`: per shape
+class the fastest kernel within the accuracy budget, `engine/model/kernel_choice.py`),
+same prompts, same run, each as its own column; the auto plan is printed.
 Two roofs are measured in the same run:
 - compute: this machine's float32 matmul rate (a 2048^3 product); a decode step
   costs 2 x parameters x tokens FLOPs, so "roof" is that over the step time, as a
@@ -214,8 +217,8 @@ def main() -> None:
     parser.add_argument(
         "--weights",
         nargs="+",
-        choices=("float32", "int8"),
-        default=["float32", "int8"],
+        choices=("float32", "int8", "auto"),
+        default=["float32", "int8", "auto"],
         help="wavecore's weight formats to run (float32 is the reference column)",
     )
     parser.add_argument(
@@ -231,7 +234,7 @@ def main() -> None:
     bandwidth = stream_gbps(16 if args.quick else 256, 2 if args.quick else 10)
 
     load = {"model": args.model, "device": "cpu", "kv_cache_memory": args.kv_cache_mib * 2**20}
-    executor = load_executor(**load, seed=0)
+    executor = load_executor(**load, seed=0, weights="float32", dtype="float32")
     config = executor.config
     flops_per_token = 2 * config.num_parameters
     # What one batch-1 step must read: every weight but an untied embedding, of which
@@ -249,6 +252,7 @@ def main() -> None:
             seed=0,
             weights="int8",
         )
+    auto = load_executor(**load, seed=0) if "auto" in args.weights else None
     int8_bytes = int8.streamed_weight_bytes if int8 is not None else None
     int8_roof = bandwidth * 1e9 / int8_bytes if int8_bytes else None
 
@@ -260,6 +264,9 @@ def main() -> None:
         quantized = wavecore_decode(int8, prompts, steps) if int8 is not None else None
         if int8 is not None:
             int8.reset_kv_cache()
+        default = wavecore_decode(auto, prompts, steps) if auto is not None else None
+        if auto is not None:
+            auto.reset_kv_cache()
         theirs = transformers_decode(peer, prompts, steps) if peer is not None else None
         rows.append(
             {
@@ -267,6 +274,8 @@ def main() -> None:
                 "wavecore_tok_s": ours,
                 "int8_tok_s": quantized,
                 "int8_vs_float32": quantized / ours if quantized else None,
+                "auto_tok_s": default,
+                "auto_vs_float32": default / ours if default else None,
                 "transformers_forward_tok_s": theirs,
                 "speedup": ours / theirs if theirs else None,
                 "wavecore_roof_fraction": ours * flops_per_token / 1e9 / roof,
@@ -278,7 +287,10 @@ def main() -> None:
     forced: dict[str, ModelExecutor] = {}
     kernel_rows = []
     if not args.skip_kernels and executor.kernels.origin != "fixed":
-        forced = {f"forced {k}": load_forced(k, **load, seed=0) for k in FORCED_KERNELS}
+        forced = {
+            f"forced {k}": load_forced(k, **load, seed=0, weights="float32", dtype="float32")
+            for k in FORCED_KERNELS
+        }
         prompt = make_prompts(1, context, config.vocab_size)[0]
         rates = kernels_batch1(
             {"chosen": executor, **forced}, prompt, steps, 1 if args.quick else 3
@@ -333,6 +345,7 @@ def main() -> None:
     )
     print(
         f"{'batch':>5} {'wavecore tok/s':>15} {'int8 tok/s':>11} {'int8/f32':>9} "
+        f"{'auto tok/s':>11} {'auto/f32':>9} "
         f"{'HF forward tok/s':>17} {'ratio':>6} {'wavecore roof':>14} {'HF roof':>8}"
     )
     for row in rows:
@@ -340,6 +353,8 @@ def main() -> None:
             f"{row['batch']:>5} {row['wavecore_tok_s']:>15.1f} "
             f"{show(row['int8_tok_s'], '{:.1f}'):>11} "
             f"{show(row['int8_vs_float32'], '{:.2f}x'):>9} "
+            f"{show(row['auto_tok_s'], '{:.1f}'):>11} "
+            f"{show(row['auto_vs_float32'], '{:.2f}x'):>9} "
             f"{show(row['transformers_forward_tok_s'], '{:.1f}'):>17} "
             f"{show(row['speedup'], '{:.2f}x'):>6} "
             f"{row['wavecore_roof_fraction']:>14.0%} "
@@ -360,6 +375,15 @@ def main() -> None:
         f"kernels chosen ({report['origin']}): "
         + ", ".join(f"{c} {report[c]}" for c in ("decode", "small", "large", "prefill"))
     )
+    if auto is not None:
+        chosen = auto.kernels.report()
+        auto_roof = bandwidth * 1e9 / auto.streamed_weight_bytes
+        print(
+            f"default path (weights=auto) kernels ({chosen['origin']}): "
+            + ", ".join(f"{c} {chosen[c]}" for c in ("decode", "small", "large", "prefill"))
+            + f"; {auto.memory().weights / 1e6:.0f} MB of weights; batch-1 bandwidth roof "
+            f"{auto_roof:.1f} tok/s, reached {rows[0]['auto_tok_s'] / auto_roof:.0%}"
+        )
     if kernel_rows:
         print(
             f"{'batch-1 kernels':<16} {'decode/small/large/prefill':<30} {'tok/s':>7} {'% roof':>7} {'weights MB':>11}"
@@ -402,6 +426,8 @@ def main() -> None:
         "kernels": report,
         "kernel_measure_s": executor.kernels.measure_seconds,
         "int8_kernels": int8.kernels.report() if int8 is not None else None,
+        "auto_kernels": auto.kernels.report() if auto is not None else None,
+        "auto_weights_bytes": auto.memory().weights if auto is not None else None,
         "kernels_batch1": kernel_rows,
         "matmul_gflops": roof,
         "stream_gbps": bandwidth,
@@ -421,8 +447,9 @@ def main() -> None:
     print(f"wrote {args.output}")
     for opened in (executor, *forced.values()):
         opened.close()
-    if int8 is not None:
-        int8.close()
+    for other in (int8, auto):
+        if other is not None:
+            other.close()
 
 
 if __name__ == "__main__":

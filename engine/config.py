@@ -12,7 +12,7 @@ Device = Literal["cpu", "cuda", "auto"]
 DPMode = Literal["lockstep", "independent"]
 Transport = Literal["ipc", "tcp"]
 RankFailurePolicy = Literal["shrink", "fail"]
-Weights = Literal["float32", "int8"]
+Weights = Literal["auto", "float32", "int8"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -58,10 +58,17 @@ class EngineConfig:
     headless rank (`wavecore rank`) whose front end is silent that long exits. The
     timeout must be at least twice the interval; every rank must share both.
 
-    `weights="int8"` quantizes the model's projections and LM head to int8 at load
-    (CPU only; faster, a little less exact: see `engine/model/int8_linear.py`);
-    `"float32"`, the default, keeps them as loaded. `dtype` is the compute dtype:
-    "auto" (the default) is float32 on the CPU and bfloat16 (else float16) on a GPU.
+    `weights="auto"` and `dtype="auto"` (the defaults), on the CPU: each shape class
+    (batch-1 decode, small and large batches, prefill) runs the fastest of float32,
+    bfloat16 (only on CPUs with AMX or AVX-512 BF16) and int8 projections that keeps
+    the model's predictions within the accuracy budget of float32 (top-1 agreement at
+    least 97%, perplexity within 2%), measured at the first load on a machine and
+    cached (`engine/model/kernel_choice.py`); `stats()` names the kernel per class.
+    `weights="float32"` keeps the projections as loaded, in `dtype` (token-exact
+    float32 when both are asked for); `weights="int8"` quantizes the projections and
+    LM head to int8 at load (CPU only; see `engine/model/int8_linear.py`). `dtype` is
+    the compute dtype: "auto" is float32 on the CPU and bfloat16 (else float16) on a
+    GPU; an explicit dtype, or a GPU, makes "auto" weights "float32".
 
     `prefill_interval=K` admits new requests only on every K-th step (decodes run every
     step), trading time to first token for steadier inter-token latency; lockstep ranks
@@ -82,7 +89,7 @@ class EngineConfig:
     executor: ExecutorKind = "model"
     null_repeat_period: int | None = None
     device: Device = "auto"
-    weights: Weights = "float32"
+    weights: Weights = "auto"
     dtype: DType = "auto"
     kv_cache_memory: int | float = 512 * 2**20
     block_size: int = 16
@@ -141,9 +148,9 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.device must be 'cpu', 'cuda' or 'auto', got {self.device!r}"
             )
-        if self.weights not in ("float32", "int8"):
+        if self.weights not in ("auto", "float32", "int8"):
             raise ValueError(
-                f"EngineConfig.weights must be 'float32' or 'int8', got {self.weights!r}"
+                f"EngineConfig.weights must be 'auto', 'float32' or 'int8', got {self.weights!r}"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(

@@ -13,9 +13,9 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from rich.console import Console
@@ -128,14 +128,17 @@ class _Run:
             return
         out.print(f"scaled to {size} data-parallel ranks")
 
-    async def rank_counts(self) -> list[int]:
+    async def rank_view(self) -> tuple[list[int], dict[str, str]]:
+        """Requests per rank, and the first rank's kernel plan (what path ran)."""
         if self.dead is not None:
-            return []
+            return [], {}
         try:
-            return list((await self.engine.stats()).requests_per_rank)
+            stats = await self.engine.stats()
         except EngineDeadError as error:
             self.died(error)
-            return []
+            return [], {}
+        kernels = stats.ranks[0].kernels if stats.ranks else {}
+        return list(stats.requests_per_rank), dict(kernels)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +146,7 @@ class RunOutcome:
     summary: RunSummary
     rank_counts: list[int]
     dead: EngineDeadError | None
+    kernels: dict[str, str] = field(default_factory=dict)
 
 
 def _streams_one(args: argparse.Namespace, jobs: Sequence[PromptJob]) -> bool:
@@ -172,7 +176,7 @@ async def run_generate(
             else:
                 await _run_all(run, jobs, scale_at, out, err)
         seconds = time.perf_counter() - start
-        rank_counts = await run.rank_counts()
+        rank_counts, kernels = await run.rank_view()
     finished = [job for job in jobs if job.finished]
     summary = RunSummary.of(
         [job.timer for job in finished if job.timer is not None],
@@ -180,7 +184,7 @@ async def run_generate(
         output_tokens=sum(len(job.token_ids) for job in finished),
         seconds=seconds,
     )
-    return RunOutcome(summary=summary, rank_counts=rank_counts, dead=run.dead)
+    return RunOutcome(summary=summary, rank_counts=rank_counts, dead=run.dead, kernels=kernels)
 
 
 async def _stream_one(run: _Run, job: PromptJob, out: Console) -> None:
@@ -281,7 +285,9 @@ def cmd_rank(args: argparse.Namespace) -> int:
     rank_main(f"tcp://{args.master}", args.dp_rank, config, EngineCore.from_config)
 
 
-def summary_table(summary: RunSummary, rank_counts: Sequence[int] = ()) -> Table:
+def summary_table(
+    summary: RunSummary, rank_counts: Sequence[int] = (), kernels: Mapping[str, str] | None = None
+) -> Table:
     table = Table(title="summary", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -304,6 +310,11 @@ def summary_table(summary: RunSummary, rank_counts: Sequence[int] = ()) -> Table
     ]
     if len(rank_counts) > 1:
         rows.append(("requests per DP rank", " / ".join(map(str, rank_counts))))
+    if kernels:
+        # Which path ran: the projection kernel per shape class (`kernel_plan.py`).
+        classes = ("decode", "small", "large", "prefill")
+        plan = ", ".join(f"{c} {kernels[c]}" for c in classes if c in kernels)
+        rows.append(("kernels", f"{plan} ({kernels.get('origin', '?')})"))
     for what, value in rows:
         table.add_row(what, value)
     return table
@@ -337,7 +348,7 @@ def cmd_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
         out.print(written, highlight=False)
     elif not _streams_one(args, inputs.jobs):
         _print_results(out, inputs.jobs)
-    out.print(summary_table(outcome.summary, outcome.rank_counts))
+    out.print(summary_table(outcome.summary, outcome.rank_counts, outcome.kernels))
     return 1 if log.failures or outcome.dead is not None else 0
 
 
@@ -434,9 +445,11 @@ def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGro
     engine.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     engine.add_argument(
         "--weights",
-        choices=["float32", "int8"],
-        default="float32",
-        help="int8: quantized projections, faster on the CPU, a little less exact",
+        choices=["auto", "float32", "int8"],
+        default="auto",
+        help="auto (with --dtype auto, on the CPU): per batch size the fastest of float32, "
+        "bfloat16 and int8 within the accuracy budget, measured once per machine; "
+        "float32: exact; int8: quantized projections",
     )
     engine.add_argument(
         "--dtype",
@@ -531,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--model")
     rank.add_argument("--executor", choices=["model", "null"], default="model")
     rank.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
-    rank.add_argument("--weights", choices=["float32", "int8"], default="float32")
+    rank.add_argument("--weights", choices=["auto", "float32", "int8"], default="auto")
     rank.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     rank.add_argument("--max-num-seqs", type=int, default=64)
     rank.add_argument("--kv-cache-memory", type=_memory, default=512 * 2**20)

@@ -1,7 +1,9 @@
 """`ModelExecutor`: the engine's `Executor` backed by a real Llama-family model.
 
 Construction resolves the model, dequantizes its weights onto the device (and, with
-`weights="int8"`, quantizes the projections to int8, `weight_format.py`), sizes the
+`weights="int8"`, quantizes the projections to int8; with `weights="auto"`, the
+default, holds each projection in the forms this machine's plan runs fastest within
+the accuracy budget, `auto_weights.py`; `weight_format.py`), sizes the
 paged KV cache from a memory budget and precomputes the rotary table. Each
 `execute` plans the batch (checking it first), runs one forward pass for all its
 chunks, and hands the sampling rows' logits to the `Sampler`.
@@ -15,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
@@ -111,7 +114,7 @@ class ModelExecutor:
         max_model_len: int | None = None,
         sampler: TokenSampler | None = None,
         seed: int = 0,
-        weights: WeightFormat = "float32",
+        weights: WeightFormat = "auto",
         dtype: DTypeSpec = "auto",
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -119,7 +122,7 @@ class ModelExecutor:
         self._source = source
         self._device = pick_device(device)
         self._dtype = pick_dtype(self._device, dtype)
-        self._weights = check_weight_format(weights, self._device)
+        self._weights = check_weight_format(weights, self._device, dtype)
         if self._weights == "int8" and self._dtype != torch.float32:
             raise ValueError(
                 f"weights='int8' computes in float32; dtype {dtype!r} cannot go with it"
@@ -128,10 +131,13 @@ class ModelExecutor:
             _use_all_cores()
         config = source.config
         # Which kernel each projection product runs on this machine (measured once per
-        # machine and cached; `kernel_choice.py`).
-        self._kernels = choose_kernels(
-            config, device=self._device, dtype=self._dtype, weights=self._weights
-        )
+        # machine and cached; `kernel_choice.py`). "auto" judges its rounding kernels
+        # on the loaded weights, so it chooses in `_load_weights`.
+        self._kernel_choice: KernelChoice | None = None
+        if self._weights != "auto":
+            self._kernel_choice = choose_kernels(
+                config, device=self._device, dtype=self._dtype, weights=self._weights
+            )
         self._block_size = block_size
         self._num_blocks = blocks_for_budget(
             kv_cache_memory, bytes_per_block(config, block_size, self._dtype), self._device
@@ -191,13 +197,16 @@ class ModelExecutor:
 
     @property
     def weights(self) -> WeightFormat:
-        """How the projections are stored: "float32" (the model's dtype) or "int8"."""
+        """How the projections are stored: "float32" (the model's dtype), "int8", or
+        "auto" (per shape class, as `kernels` says)."""
         return self._weights
 
     @property
     def kernels(self) -> KernelChoice:
         """The CPU and the projection kernel chosen per shape class (`kernel_plan.py`)."""
-        return self._kernels
+        if self._kernel_choice is None:
+            raise RuntimeError("the kernels are chosen when the weights load")
+        return self._kernel_choice
 
     @property
     def streamed_weight_bytes(self) -> int:
@@ -394,6 +403,8 @@ class ModelExecutor:
     # -- internals --------------------------------------------------------------------
 
     def _load_weights(self, device: torch.device) -> ModelWeights:
+        if self._weights == "auto":
+            return self._load_auto_weights()
         weights = ModelWeights.build(
             self.config,
             self._source.load_tensors(),
@@ -401,19 +412,57 @@ class ModelExecutor:
             device=device,
             dtype=self._dtype,
             # int8 weights are quantized from the default float layout.
-            kernels=self._kernels.plan if self._weights == "float32" else None,
+            kernels=self.kernels.plan if self._weights == "float32" else None,
         )
         if self._weights == "int8":
             from wavecore.engine.model.int8_weights import quantize_weights
-            from wavecore.engine.sampling.errors import TokenizerLoadError
-            from wavecore.engine.sampling.tokenizer import Tokenizer
 
-            try:
-                encode = Tokenizer.from_source(self._source).encode
-            except TokenizerLoadError:
-                encode = None  # a model without a usable tokenizer calibrates on bytes
-            weights = quantize_weights(weights, self.config, encode)
+            weights = quantize_weights(weights, self.config, self._encoder())
         return weights
+
+    def _load_auto_weights(self) -> ModelWeights:
+        from wavecore.engine.model.auto_weights import AutoWeights
+        from wavecore.engine.model.linear import BLAS
+        from wavecore.engine.model.quality import byte_ids
+
+        reference = ModelWeights.build(
+            self.config,
+            self._source.load_tensors(),
+            origin=self._source.path,
+            device=self._device,
+            dtype=self._dtype,
+            kernels=BLAS,
+        )
+        encoder = self._encoder()
+        vocab = self.config.vocab_size
+        auto = AutoWeights(
+            reference,
+            self.config,
+            encoder or (lambda text: byte_ids(text, vocab)),
+            encoder,
+        )
+        if self._kernel_choice is None:
+            self._kernel_choice = choose_kernels(
+                self.config,
+                device=self._device,
+                dtype=self._dtype,
+                weights="auto",
+                quality=auto.quality,
+                model_key=_model_key(self._source.path),
+            )
+        with torch.inference_mode():
+            return auto.build(self._kernel_choice.plan)
+
+    def _encoder(self) -> Callable[[str], list[int]] | None:
+        """The model's tokenizer's encode, or None for a model without a usable one
+        (int8 calibration and quality checks then run on the text's bytes)."""
+        from wavecore.engine.sampling.errors import TokenizerLoadError
+        from wavecore.engine.sampling.tokenizer import Tokenizer
+
+        try:
+            return Tokenizer.from_source(self._source).encode
+        except TokenizerLoadError:
+            return None
 
     def _new_cache(self) -> PagedKVCache:
         return PagedKVCache(
@@ -440,6 +489,19 @@ class ModelExecutor:
         return self._model, self._cache
 
 
+def _model_key(path: Path) -> str:
+    """Names the model in the kernel cache's key for "auto" (its accuracy budget is
+    judged on these weights): the file's name and size, or a directory's and its files'."""
+    try:
+        if path.is_dir():
+            size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        else:
+            size = path.stat().st_size
+    except OSError:
+        size = -1
+    return f"{path.name} {size} bytes"
+
+
 def load_executor(
     model: str | os.PathLike[str] | None = None,
     *,
@@ -449,12 +511,15 @@ def load_executor(
     max_model_len: int | None = None,
     sampler: TokenSampler | None = None,
     seed: int = 0,
-    weights: WeightFormat = "float32",
+    weights: WeightFormat = "auto",
     dtype: DTypeSpec = "auto",
 ) -> ModelExecutor:
     """Resolve `model` (None: the default SmolLM2 GGUF) and build its executor;
     `weights="int8"` quantizes its projections at load (CPU only); `dtype` is the
-    compute dtype ("auto": float32 on the CPU, bfloat16 or float16 on a GPU)."""
+    compute dtype ("auto": float32 on the CPU, bfloat16 or float16 on a GPU). Both
+    "auto" (the defaults) on the CPU: each shape class runs the fastest of float32,
+    bfloat16 (CPUs with AMX or AVX-512 BF16) and int8 within the accuracy budget,
+    measured on first load and cached (`kernel_choice.py`)."""
     return ModelExecutor(
         resolve_model_source(model),
         device=device,

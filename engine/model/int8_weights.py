@@ -14,18 +14,13 @@ from collections.abc import Callable
 
 import torch
 
-from wavecore.engine.executors.batch import SequenceChunk
-from wavecore.engine.model.batch_plan import CacheGeometry, plan_forward
 from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.int8_linear import Int8Projection
-from wavecore.engine.model.kv_cache import PagedKVCache
 from wavecore.engine.model.linear import Projection
-from wavecore.engine.model.llama import LlamaModel
 from wavecore.engine.model.quality import byte_ids
-from wavecore.engine.model.rope import RotaryTable
+from wavecore.engine.model.scoring import score_sequences
 from wavecore.engine.model.weight_format import AnyProjection
 from wavecore.engine.model.weights import LayerWeights, ModelWeights
-from wavecore.engine.sampling_params import SamplingParams
 
 CALIBRATION_TEXT = (
     "User: Can you help me plan a trip to the mountains next weekend?\n"
@@ -38,7 +33,6 @@ CALIBRATION_TEXT = (
     "laser cutters and robots build everything from houses to rockets."
 )
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
-_BLOCK_SIZE = 16
 
 
 @dataclasses.dataclass(slots=True)
@@ -59,11 +53,6 @@ class _Recorder:
 
 def _recorder(projection: AnyProjection) -> _Recorder:
     return _Recorder(projection, torch.zeros(projection.in_features))
-
-
-def _matrix(projection: Projection) -> torch.Tensor:
-    """The `[out, in]` float matrix of a packed or plain projection (exact: identity)."""
-    return projection(torch.eye(projection.in_features, dtype=torch.float32)).t()
 
 
 def quantize_weights(
@@ -92,7 +81,7 @@ def quantize_weights(
     def convert(recorder: _Recorder) -> Int8Projection:
         if not isinstance(recorder.inner, Projection):
             raise TypeError(f"quantize_weights takes float weights, got {recorder.inner!r}")
-        return Int8Projection.build(_matrix(recorder.inner), recorder.peak)
+        return Int8Projection.build(recorder.inner.matrix(), recorder.peak)
 
     layers = tuple(
         LayerWeights(
@@ -114,30 +103,4 @@ def quantize_weights(
 
 def _run(weights: ModelWeights, config: ModelConfig, tokens: list[int]) -> None:
     """One float32 prefill of `tokens` through `weights` (the recorders record)."""
-    tokens = tokens[: config.context_length]
-    blocks = -(-len(tokens) // _BLOCK_SIZE)
-    cpu = torch.device("cpu")
-    cache = PagedKVCache(
-        config, num_blocks=blocks, block_size=_BLOCK_SIZE, device=cpu, dtype=torch.float32
-    )
-    rotary = RotaryTable(
-        config, len(tokens), rope_freqs=weights.rope_freqs, device=cpu, dtype=torch.float32
-    )
-    chunk = SequenceChunk(
-        request_id="wavecore-calibration",
-        token_ids=tuple(tokens),
-        start_pos=0,
-        block_table=tuple(range(blocks)),
-        sample=True,
-        sampling=SamplingParams(),
-        all_token_ids=tuple(tokens),
-        prompt_len=len(tokens),
-    )
-    geometry = CacheGeometry(
-        block_size=_BLOCK_SIZE,
-        num_blocks=blocks,
-        max_model_len=len(tokens),
-        vocab_size=config.vocab_size,
-    )
-    with torch.inference_mode():
-        LlamaModel(config, weights, rotary).forward(plan_forward((chunk,), geometry, cpu), cache)
+    score_sequences(weights, config, [tokens])

@@ -5,14 +5,24 @@ decode 1.5x faster than BLAS on an AMD EPYC, and batch-1 decode 1.5x slower on a
 Intel Xeon), so the plan (`kernel_plan.KernelPlan`: one kernel per shape class) is
 measured on the machine itself, at load, and kept on disk (`kernel_cache.py`).
 
-Theory of operation: only float32 on a CPU with oneDNN has a choice ("blas" or
-"onednn"). For each shape class, both kernels run a "mini model": whole units of one
-layer's projections plus a 1/num_layers slice of the LM head's rows, so each kernel's
-time is weighted as in a real step. A decode pass streams through enough units to
-exceed `_STREAM_BYTES` (more than these machines' last-level caches; a batch-1 step
-reads every weight from memory, and in-cache timings would rank kernels otherwise);
-the compute-bound classes run one unit. The two kernels alternate within each round,
-so a burst of load from another process hits both, and each is judged by its median.
+Theory of operation: float32 on a CPU with oneDNN has a choice of two kernels
+("blas" or "onednn"); `weights="auto"` adds the rounding kernels this CPU runs fast,
+"onednn-bf16" where it has native bfloat16 and "fbgemm" (int8), each admitted only if
+the model's predictions with it stay within `quality.MIN_AGREEMENT` and
+`MAX_PERPLEXITY_CHANGE` of float32's (judged by the caller's `quality`, on the loaded
+weights; only for kernels the clock would choose, since judging runs the model in
+that form: a kernel that fails is dropped and the plan made again from the same
+timings). For each shape class, the
+kernels run a "mini model": whole units of one layer's projections plus a
+1/num_layers slice of the LM head's rows, so each kernel's time is weighted as in a
+real step. A decode pass streams through enough units to exceed `_STREAM_BYTES`
+(more than these machines' last-level caches; a batch-1 step reads every weight from
+memory, and in-cache timings would rank kernels otherwise); the compute-bound classes
+run one unit. The kernels alternate within each round, so a burst of load from
+another process hits all of them, and each is judged by its fastest round: outside
+load only ever adds time, and on a shared 2-core machine a busy neighbour slowed every
+parallel op of a round several-fold (medians then ranked kernels by their number of
+ops, not their speed).
 
 Rules:
 1. CUDA or reduced precision, or no oneDNN: "blas" for every class, nothing measured.
@@ -20,17 +30,23 @@ Rules:
 2. Classes forced by `WAVECORE_KERNELS` take the forced kernel; a kernel this device
    cannot run there is a ValueError. With anything forced the cache is neither read
    nor written, and only the other classes are measured.
-3. Otherwise the plan cached under this machine's key is used; failing that, every
-   class is measured and the plan cached.
-4. "onednn" is chosen for a class only if its median is `MARGIN` below BLAS's: a tie
-   keeps the simpler kernel, which also needs no second copy of the weights.
+3. Otherwise the plan cached under this machine's key is used (for "auto", the key
+   names the model too: the accuracy budget is judged on its weights); failing that,
+   every class is measured and the plan cached.
+4. Kernels are ranked in the order blas, onednn, onednn-bf16, fbgemm (simpler, more
+   exact, fewer extra forms first): a later kernel replaces the one chosen so far only
+   if its time is `MARGIN` below it, so a tie keeps the simpler kernel, which also
+   needs no second form of the weights.
+5. A plan holds another form of the weights only where it pays: a kernel whose
+   classes would all run within `MARGIN` on a kernel the plan holds anyway is dropped
+   for it (`plan_of`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import platform
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +55,7 @@ from pathlib import Path
 import torch
 
 from wavecore.engine.model.config import ModelConfig
+from wavecore.engine.model.int8_linear import Int8Projection
 from wavecore.engine.model.kernel_cache import KernelCache
 from wavecore.engine.model.kernel_plan import (
     FORCE_ENV,
@@ -47,17 +64,24 @@ from wavecore.engine.model.kernel_plan import (
     KernelPlan,
     forced_kernels,
 )
-from wavecore.engine.model.linear import can_pack, pack, packed_product
+from wavecore.engine.model.linear import Projection, can_pack, can_pack_bf16
+from wavecore.engine.model.quality import QualityReport
 
 MARGIN = 0.1
 _STREAM_BYTES = 64 * 2**20
 # Rows each class is measured at, and how many timed rounds (after one warm-up).
-_MEASURED_AT = {"decode": (1, 7), "small": (8, 5), "large": (64, 3), "prefill": (256, 3)}
+_MEASURED_AT = {"decode": (1, 7), "small": (8, 7), "large": (64, 5), "prefill": (256, 5)}
 _FLOAT_KERNELS: tuple[Kernel, ...] = ("blas", "onednn")
+# The kernels that round the weights, admitted only within the accuracy budget.
+ROUNDING_KERNELS: tuple[Kernel, ...] = ("onednn-bf16", "fbgemm")
 
 Timer = Callable[[], float]
-# What `choose_kernels` calls to measure: (shapes, classes) -> {class: kernel}.
-Measure = Callable[["ProjectionShapes", Sequence[str]], dict[str, Kernel]]
+# Seconds of each kernel's runs, by shape class.
+Times = Mapping[str, Mapping[Kernel, Sequence[float]]]
+# What `choose_kernels` calls to measure: (shapes, classes, kernels) -> times.
+Measure = Callable[["ProjectionShapes", Sequence[str], Sequence[Kernel]], Times]
+# What it calls to judge rounding kernels: kernels -> {kernel: report against float32}.
+Quality = Callable[[Sequence[Kernel]], Mapping[Kernel, QualityReport]]
 
 
 def cpu_name() -> str:
@@ -106,6 +130,8 @@ class KernelChoice:
     origin: str  # "measured", "cached", "forced", or "fixed" (no choice on this device)
     cpu: str
     measure_seconds: float = 0.0
+    # When measured for weights="auto": each rounding kernel's quality against float32.
+    quality: Mapping[Kernel, QualityReport] = dataclasses.field(default_factory=dict)
 
     def report(self) -> dict[str, str]:
         """The CPU, each class's kernel, and where the plan came from, for stats."""
@@ -120,8 +146,12 @@ def choose_kernels(
     weights: str,
     cache: KernelCache | None = None,
     measure: Measure | None = None,
+    quality: Quality | None = None,
+    model_key: str = "",
 ) -> KernelChoice:
-    """The plan for `config`'s projections in format `weights` on `device` (rules above)."""
+    """The plan for `config`'s projections in format `weights` on `device` (rules
+    above). For "auto", `quality` judges the rounding kernels (none admitted without
+    it) and `model_key` names the model in the cache key."""
     cpu = cpu_name() if device.type == "cpu" else str(device)
     if weights == "int8":
         return KernelChoice(plan=KernelPlan.uniform("fbgemm"), origin="fixed", cpu=cpu)
@@ -131,20 +161,39 @@ def choose_kernels(
             raise ValueError(f"{FORCE_ENV}: only 'blas' runs {dtype} on {device}")
         origin = "forced" if forced else "fixed"
         return KernelChoice(plan=KernelPlan.uniform("blas"), origin=origin, cpu=cpu)
+    candidates = candidate_kernels(device, dtype, weights)
     for name, kernel in forced.items():
-        if kernel not in _FLOAT_KERNELS:
-            raise ValueError(f"{FORCE_ENV}: {name}={kernel} cannot run {weights} weights")
+        if kernel not in candidates:
+            raise ValueError(f"{FORCE_ENV}: {name}={kernel} cannot run {weights} weights here")
     shapes = ProjectionShapes.of(config)
     if len(forced) == len(SHAPE_CLASSES):
         return KernelChoice(plan=KernelPlan(**forced), origin="forced", cpu=cpu)
     key = cache_key(cpu, dtype, weights, shapes)
+    if weights == "auto":
+        key += f" | model {model_key}"
     cache = cache if cache is not None else KernelCache()
     if not forced:
         cached = cache.load(key)
         if cached is not None:
             return KernelChoice(plan=cached, origin="cached", cpu=cpu)
     start = time.perf_counter()
-    measured = (measure or measure_plan)(shapes, [c for c in SHAPE_CLASSES if c not in forced])
+    classes = [c for c in SHAPE_CLASSES if c not in forced]
+    times = (measure or measure_times)(shapes, classes, candidates)
+    # Judge only the rounding kernels the clock would choose (judging loads and runs
+    # the model in that form), again after each one that fails.
+    reports: dict[Kernel, QualityReport] = {}
+    admitted = [k for k in candidates if k not in ROUNDING_KERNELS or quality is not None]
+    while True:
+        measured = plan_of({name: _only(times[name], admitted) for name in classes})
+        unjudged = [
+            k
+            for k in dict.fromkeys(measured.values())
+            if k in ROUNDING_KERNELS and k not in reports
+        ]
+        if not unjudged or quality is None:
+            break
+        reports.update(quality(unjudged))
+        admitted = [k for k in admitted if k not in reports or reports[k].within_budget]
     plan = KernelPlan(**{**measured, **forced})
     if not forced:
         cache.store(key, plan)
@@ -153,7 +202,30 @@ def choose_kernels(
         origin="forced" if forced else "measured",
         cpu=cpu,
         measure_seconds=time.perf_counter() - start,
+        quality=reports,
     )
+
+
+def candidate_kernels(device: torch.device, dtype: torch.dtype, weights: str) -> list[Kernel]:
+    """The kernels `weights` may run on `device` in `dtype`, in rule 4's order."""
+    kernels: list[Kernel] = ["blas"]
+    if can_pack(device, dtype):
+        kernels.append("onednn")
+    if weights == "auto" and can_pack_bf16(device, dtype):
+        kernels.append("onednn-bf16")
+    if weights == "auto" and device.type == "cpu" and dtype == torch.float32 and has_fbgemm():
+        kernels.append("fbgemm")
+    return kernels
+
+
+def has_fbgemm() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _only(
+    times: Mapping[Kernel, Sequence[float]], kernels: Sequence[Kernel]
+) -> dict[Kernel, Sequence[float]]:
+    return {kernel: times[kernel] for kernel in kernels}
 
 
 def cache_key(cpu: str, dtype: torch.dtype, weights: str, shapes: ProjectionShapes) -> str:
@@ -165,45 +237,96 @@ def cache_key(cpu: str, dtype: torch.dtype, weights: str, shapes: ProjectionShap
 
 
 def measure_plan(
-    shapes: ProjectionShapes, classes: Sequence[str], *, timer: Timer = time.perf_counter
+    shapes: ProjectionShapes,
+    classes: Sequence[str],
+    kernels: Sequence[Kernel] = _FLOAT_KERNELS,
+    *,
+    timer: Timer = time.perf_counter,
 ) -> dict[str, Kernel]:
-    """Each of `classes` with the kernel its measurement picks (rule 4)."""
+    """Each of `classes` with the one of `kernels` its measurement picks (rules 4, 5)."""
+    return plan_of(measure_times(shapes, classes, kernels, timer=timer))
+
+
+def measure_times(
+    shapes: ProjectionShapes,
+    classes: Sequence[str],
+    kernels: Sequence[Kernel] = _FLOAT_KERNELS,
+    *,
+    timer: Timer = time.perf_counter,
+) -> dict[str, dict[Kernel, list[float]]]:
+    """Seconds of each of `kernels` on each of `classes`' mini model (see above)."""
     unit = shapes.unit()
     unit_bytes = 4 * sum(o * i for o, i in unit)
     units = min(shapes.num_layers, max(1, math.ceil(_STREAM_BYTES / unit_bytes)))
     if "decode" not in classes:
         units = 1
-    # Constant weights: a float product's time does not depend on the values.
-    matrices = [
-        (i, dense.t().contiguous(), pack(dense))
-        for _ in range(units)
-        for o, i in unit
-        for dense in (torch.full((o, i), 0.01),)
-    ]
-    chosen: dict[str, Kernel] = {}
+    # Constant weights: a product's time does not depend on the values.
+    projections = {
+        kernel: [_projection(o, i, kernel) for _ in range(units) for o, i in unit]
+        for kernel in kernels
+    }
+    seconds: dict[str, dict[Kernel, list[float]]] = {}
     with torch.inference_mode():
         for name in classes:
             rows, samples = _MEASURED_AT[name]
-            pass_of = matrices if name == "decode" else matrices[: len(unit)]
-            runs = _runs(pass_of, rows)
-            chosen[name] = pick(time_runs(runs, samples, timer))
-    return chosen
+            inputs = {i: torch.randn(rows, i) for _, i in unit}
+            runs = {
+                kernel: _run(each if name == "decode" else each[: len(unit)], inputs)
+                for kernel, each in projections.items()
+            }
+            seconds[name] = time_runs(runs, samples, timer)
+    return seconds
 
 
-def _runs(
-    matrices: Sequence[tuple[int, torch.Tensor, torch.Tensor]], rows: int
-) -> dict[Kernel, Callable[[], None]]:
-    inputs = {i: torch.randn(rows, i) for i, _, _ in matrices}
+def plan_of(seconds: Times) -> dict[str, Kernel]:
+    """Each class's kernel from its kernels' times (rule 4), then rule 5: while some
+    kernel's classes would all run within `MARGIN` on another kernel the plan holds,
+    they move there and its form is not held."""
+    best = {
+        name: {kernel: min(times) for kernel, times in each.items()}
+        for name, each in seconds.items()
+    }
+    chosen = {name: pick(each) for name, each in seconds.items()}
+    while True:
+        held = list(dict.fromkeys(chosen.values()))
+        # The kernel fewest classes run goes first: its form pays least.
+        for kernel in sorted(held, key=lambda k: list(chosen.values()).count(k)):
+            others = [k for k in held if k != kernel]
+            moves = {
+                name: min(others, key=lambda k: best[name][k])
+                for name, k in chosen.items()
+                if k == kernel and others
+            }
+            if moves and all(
+                best[name][kernel] >= (1 - MARGIN) * best[name][other]
+                for name, other in moves.items()
+            ):
+                chosen.update(moves)
+                break
+        else:
+            return chosen
 
-    def blas() -> None:
-        for i, plain, _ in matrices:
-            inputs[i] @ plain
 
-    def onednn() -> None:
-        for i, _, blocked in matrices:
-            packed_product(inputs[i], blocked)
+def _projection(out_features: int, in_features: int, kernel: Kernel) -> Projection:
+    dense = torch.full((out_features, in_features), 0.01)
+    int8 = Int8Projection.build(dense, torch.ones(in_features)) if kernel == "fbgemm" else None
+    return Projection.build(
+        dense,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        kernels=KernelPlan.uniform(kernel),
+        int8=int8,
+    )
 
-    return {"blas": blas, "onednn": onednn}
+
+def _run(
+    projections: Sequence[Projection], inputs: Mapping[int, torch.Tensor]
+) -> Callable[[], None]:
+    def run() -> None:
+        for projection in projections:
+            projection(inputs[projection.in_features])
+
+    return run
 
 
 def time_runs(
@@ -223,7 +346,10 @@ def time_runs(
 
 
 def pick(seconds: Mapping[Kernel, Sequence[float]], margin: float = MARGIN) -> Kernel:
-    """ "onednn" if its median time is `margin` below BLAS's, else "blas" (rule 4)."""
-    blas = statistics.median(seconds["blas"])
-    onednn = statistics.median(seconds["onednn"])
-    return "onednn" if onednn < (1 - margin) * blas else "blas"
+    """The kernel rule 4 picks from each kernel's times, given in its order."""
+    best = {kernel: min(times) for kernel, times in seconds.items()}
+    chosen, *others = best
+    for kernel in others:
+        if best[kernel] < (1 - margin) * best[chosen]:
+            chosen = kernel
+    return chosen

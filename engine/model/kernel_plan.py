@@ -13,8 +13,13 @@ for the LM head); each class has one kernel:
 Kernels (`linear.Projection` runs them):
 - "blas": `x @ W` on a plain `[in, out]` matrix, torch's BLAS (MKL on x86 builds);
 - "onednn": oneDNN's linear on the matrix reordered once into its blocked layout;
+- "onednn-bf16": oneDNN's linear on the matrix rounded to bfloat16 (AMX or AVX-512
+  BF16 CPUs only), float32 in and out;
 - "fbgemm": fbgemm's int8 dynamic linear (`int8_linear.Int8Projection`), the only
   kernel of int8 weights; it is named in plans so reports say what ran.
+
+With `weights="auto"` one plan may mix all four (`path_choice.py`): each class runs
+the fastest within the accuracy budget, so the plan names the dtype that ran too.
 
 `WAVECORE_KERNELS` forces kernels instead of measuring them (tests, benchmarks): one
 name for every class ("blas"), or `class=kernel` pairs ("decode=blas,large=onednn");
@@ -27,8 +32,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Literal
 
-Kernel = Literal["blas", "onednn", "fbgemm"]
-KERNELS: tuple[Kernel, ...] = ("blas", "onednn", "fbgemm")
+Kernel = Literal["blas", "onednn", "onednn-bf16", "fbgemm"]
+KERNELS: tuple[Kernel, ...] = ("blas", "onednn", "onednn-bf16", "fbgemm")
 SHAPE_CLASSES = ("decode", "small", "large", "prefill")
 # The last row count of each class but the open-ended prefill.
 _LAST_ROWS = {"decode": 1, "small": 16, "large": 128}

@@ -59,6 +59,11 @@ def byte_ids(text: str, vocab_size: int) -> list[int]:
     return [byte % vocab_size for byte in text.encode()]
 
 
+# The accuracy budget a rounding kernel must meet to run by default (`weights="auto"`,
+# `kernel_choice.py`): top-1 agreement with float32 and perplexity within 2% of its.
+MIN_AGREEMENT = 0.97
+MAX_PERPLEXITY_CHANGE = 0.02
+
 Scorer = Callable[[Sequence[int]], torch.Tensor]  # token ids -> logits [len, vocab]
 
 
@@ -77,6 +82,12 @@ class QualityReport:
     def perplexity_change(self) -> float:
         """Relative change of the candidate's perplexity against the reference's."""
         return self.candidate_perplexity / self.reference_perplexity - 1
+
+    @property
+    def within_budget(self) -> bool:
+        return (
+            self.agreement >= MIN_AGREEMENT and abs(self.perplexity_change) <= MAX_PERPLEXITY_CHANGE
+        )
 
 
 def perplexity(logits: torch.Tensor, token_ids: Sequence[int]) -> float:

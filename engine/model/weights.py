@@ -14,7 +14,8 @@ Layout choices, each to cut work per step:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,6 +156,26 @@ class ModelWeights:
             embed=embed_view,
             rope_freqs=rope_freqs.to(torch.float32) if rope_freqs is not None else None,
         )
+
+    def map_projections(self, build: Callable[[str, AnyProjection], AnyProjection]) -> ModelWeights:
+        """These weights with each projection replaced by `build(name, projection)`
+        (name: "layers.{i}.{qkv,o,gate_up,down}" or "lm_head"). A tied embedding stays
+        a view of the new head when it can (plain), else gets its own copy."""
+        layers = tuple(
+            dataclasses.replace(
+                layer,
+                **{
+                    name: build(f"layers.{i}.{name}", getattr(layer, name))
+                    for name in ("qkv", "o", "gate_up", "down")
+                },
+            )
+            for i, layer in enumerate(self.layers)
+        )
+        lm_head = build("lm_head", self.lm_head)
+        embed = self.embed
+        if self.shares_embedding:
+            embed = lm_head.weight.t() if not lm_head.packed else self.embed.contiguous()
+        return dataclasses.replace(self, layers=layers, lm_head=lm_head, embed=embed)
 
     def to(self, device: torch.device) -> ModelWeights:
         """A copy on `device` (tying preserved); used to offload to and restore from CPU."""

@@ -333,11 +333,38 @@ def test_the_weights_and_dtype_flags_reach_the_engine_configuration(command: str
         [command, "--executor", "null", "--weights", "int8", "--dtype", "float32"]
     )
     assert (_engine_config(args).weights, _engine_config(args).dtype) == ("int8", "float32")
-    assert _engine_config(build_parser().parse_args([command])).dtype == "auto"
+    default = _engine_config(build_parser().parse_args([command]))
+    assert (default.weights, default.dtype) == ("auto", "auto")
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--weights", "int4"])
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--dtype", "float64"])
+
+
+def test_the_summary_names_the_kernel_each_shape_class_ran() -> None:
+    from rich.console import Console
+
+    from wavecore.engine.cli.latency import RunSummary
+    from wavecore.engine.cli.main import summary_table
+
+    summary = RunSummary.of([], prompt_tokens=0, output_tokens=0, seconds=1.0)
+    kernels = {
+        "cpu": "a CPU",
+        "decode": "fbgemm",
+        "small": "onednn-bf16",
+        "large": "onednn-bf16",
+        "prefill": "blas",
+        "origin": "cached",
+    }
+    out = io.StringIO()
+    Console(file=out, width=200).print(summary_table(summary, (), kernels))
+    assert (
+        "decode fbgemm, small onednn-bf16, large onednn-bf16, prefill blas (cached)"
+        in out.getvalue()
+    )
+    out = io.StringIO()
+    Console(file=out, width=200).print(summary_table(summary))  # the null executor: none
+    assert "kernels" not in out.getvalue()
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "rank"])

@@ -37,9 +37,12 @@ def test_quick_bench_writes_results(tiny_hf_dir: Path, tmp_path: Path) -> None:
         assert row["wavecore_tok_s"] > 0 and row["transformers_forward_tok_s"] > 0
         assert row["wavecore_roof_fraction"] > 0
         assert row["int8_tok_s"] > 0 and row["int8_vs_float32"] > 0
+        assert row["auto_tok_s"] > 0 and row["auto_vs_float32"] > 0
     assert 0 < results["int8_weight_bytes_per_token"] < results["weight_bytes_per_token"]
     assert results["cpu_model"] and results["kernels"]["cpu"] == results["cpu_model"]
     assert results["int8_kernels"]["decode"] == "fbgemm"
+    assert results["auto_kernels"]["decode"] and results["auto_weights_bytes"] > 0
+    assert "default path (weights=auto) kernels" in completed.stdout
     if results["kernels"]["origin"] != "fixed":  # a CPU with oneDNN: a choice to show
         rows = {row["kernels"]: row for row in results["kernels_batch1"]}
         assert set(rows) == {"chosen", "forced blas", "forced onednn"}

@@ -20,19 +20,30 @@ from wavecore.engine.model.weight_format import build_projection, check_weight_f
 from wavecore.engine.sampling_params import SamplingParams
 
 
-def test_engine_config_takes_float32_and_int8_only() -> None:
-    assert EngineConfig().weights == "float32"
+def test_engine_config_takes_auto_float32_and_int8_only() -> None:
+    assert EngineConfig().weights == "auto"
     assert EngineConfig(weights="int8").weights == "int8"
-    with pytest.raises(ValueError, match=r"EngineConfig.weights must be .float32. or .int8."):
+    assert EngineConfig(weights="float32").weights == "float32"
+    with pytest.raises(
+        ValueError, match=r"EngineConfig.weights must be .auto., .float32. or .int8."
+    ):
         EngineConfig(weights="int4")  # type: ignore[arg-type]
 
 
 def test_weight_format_is_checked_against_the_device() -> None:
     assert check_weight_format("int8", torch.device("cpu")) == "int8"
-    with pytest.raises(ValueError, match="weights must be 'float32' or 'int8', got 'q4'"):
+    with pytest.raises(ValueError, match="weights must be 'auto', 'float32' or 'int8', got 'q4'"):
         check_weight_format("q4", torch.device("cpu"))
     with pytest.raises(ValueError, match="runs on the CPU only"):
         check_weight_format("int8", torch.device("cuda"))
+
+
+def test_auto_weights_choose_only_where_the_dtype_is_auto_on_the_cpu() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert check_weight_format("auto", cpu) == "auto"
+    assert check_weight_format("auto", cpu, "float32") == "float32"
+    assert check_weight_format("auto", cpu, "bfloat16") == "float32"
+    assert check_weight_format("auto", cuda) == "float32"
 
 
 def test_executor_refuses_an_unknown_format(tiny_gguf: Path) -> None:
@@ -200,3 +211,6 @@ def test_quality_bench_runs_on_a_tiny_model(tiny_hf_dir: Path, tmp_path: Path) -
     assert results["positions"] > 100
     assert 0 < results["agreement"] <= 1
     assert results["float32_perplexity"] > 1 and results["int8_perplexity"] > 1
+    for row in results["candidates"].values():  # int8, and bf16 where the CPU has it
+        assert 0 < row["agreement"] <= 1 and isinstance(row["within_budget"], bool)
+    assert results["candidates"]["int8"]["agreement"] == results["agreement"]

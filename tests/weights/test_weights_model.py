@@ -191,7 +191,8 @@ async def test_sleep_update_wake_equals_fresh_b(
         await engine.wake_up(["weights"])
         weights_only = (await engine.stats()).ranks[0].core
         # What the sleep freed and each wake took back.
-        assert awake.weights_bytes > 500 * 2**20 and awake.kv_cache_bytes >= 64 * 2**20
+        # Over 100 MB in any form (538 MB float32; the default plan may hold bf16/int8).
+        assert awake.weights_bytes > 100 * 2**20 and awake.kv_cache_bytes >= 64 * 2**20
         assert asleep.weights_bytes == asleep.kv_cache_bytes == 0
         assert asleep.offloaded_weights_bytes == (awake.weights_bytes if level == 1 else 0)
         assert weights_only.weights_bytes == awake.weights_bytes
