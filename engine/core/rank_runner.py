@@ -34,10 +34,14 @@ Theory of operation:
    here (structured output); the forward's sampling waits for it. A rank whose only
    schedulable work waits for grammars to compile waits for the next compile to end
    or the next input, whichever comes first, instead of spinning.
+10. A step whose forward or sampling raised fails the rank with a dump of the step
+   (`core.step_failure`): its index, the wave, its requests and their token counts,
+   in the `RankFailed` and logged once here.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +59,7 @@ from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.core.model_thread import ModelThread, loop_call_soon
 from wavecore.engine.core.rank_calls import RankCalls
 from wavecore.engine.core.rank_inputs import BadCall, loop_input_of
+from wavecore.engine.core.step_failure import StepFailed
 from wavecore.engine.executors.batch import EXECUTOR_TAGS
 from wavecore.engine.interface import RankCounters, RankStats
 from wavecore.engine.weight_messages import RANK_CALLS
@@ -78,6 +83,8 @@ from wavecore.statemachines import (
     SyncDone,
     WaitForInput,
 )
+
+_log = logging.getLogger(__name__)
 
 # How long a rank waits for its broken group's connections to close.
 _ABORT_BOUND_S = 1.0
@@ -201,10 +208,16 @@ class RankRunner:
                     await self._leave_group(error)
         except Exception as error:
             cause = error.__cause__ if isinstance(error, CollectiveFailed) else error
-            detail = f"{type(cause).__name__}: {cause}"
+            if isinstance(cause, StepFailed):  # rule 10
+                detail = cause.dump(wave=self.loop.machine.wave)
+            else:
+                detail = f"{type(cause).__name__}: {cause}"
+            message = f"rank {self.rank} (pid {os.getpid()}) failed: {detail}"
+            if isinstance(cause, StepFailed):
+                _log.error("%s", message, exc_info=cause)
             failure = m.RankFailed(
                 rank=self.rank,
-                error=f"rank {self.rank} (pid {os.getpid()}) failed: {detail}",
+                error=message,
                 in_collective=isinstance(error, CollectiveFailed),
                 member=self._member,
             )
