@@ -66,6 +66,11 @@ class EngineConfig:
     `async_scheduling=True` turns on the batch queue: each rank schedules its next step
     while the current one runs, so the model never waits for the engine's Python
     (outputs are identical; see `engine/core/batch_queue.py`). Off by default.
+
+    `log_iteration_details=True` has each rank record every forward (its context and
+    generation requests and tokens, its time, whether it was a dummy batch) and send
+    it with its outputs; the front end logs each at debug level and counts them in
+    `EngineStats.iterations` (`/metrics` histograms). Off by default.
     """
 
     model: str | None = None
@@ -81,6 +86,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
+    log_iteration_details: bool = False
     seed: int = 0
     dp_size: int = 1
     dp_mode: DPMode = "lockstep"
@@ -126,10 +132,9 @@ class EngineConfig:
                 "EngineConfig.restart_ranks needs on_rank_failure='shrink' (with 'fail' a "
                 "lost rank ends the engine: there is nothing to restart into)"
             )
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(
-                f"EngineConfig.async_scheduling must be a bool, got {self.async_scheduling!r}"
-            )
+        for name in ("async_scheduling", "log_iteration_details"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         memory = self.kv_cache_memory
         if isinstance(memory, bool) or not isinstance(memory, int | float) or memory <= 0:
             raise ValueError(f"EngineConfig.kv_cache_memory must be positive, got {memory!r}")

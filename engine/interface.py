@@ -78,6 +78,32 @@ class RankStats:
     kernels: dict[str, str] = field(default_factory=dict)
 
 
+# The upper bounds of the histograms of `RankIterations`: milliseconds a forward took,
+# tokens it ran (a last bucket, +Inf, counts the rest).
+STEP_MS_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0)
+STEP_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankIterations:
+    """One rank's forwards as its iteration details told the front end
+    (`EngineConfig.log_iteration_details`): totals, and the histograms of their time
+    and tokens (`ms_buckets[i]`: forwards that took at most `STEP_MS_BUCKETS[i]` ms, not
+    cumulative; the last entry counts the rest; the same for tokens). Dummy batches
+    count in `dummy_steps` and the time histogram, not in the tokens'."""
+
+    rank: int
+    steps: int
+    dummy_steps: int
+    context_requests: int
+    context_tokens: int
+    generation_requests: int
+    generation_tokens: int
+    elapsed_ms: float
+    ms_buckets: tuple[int, ...]
+    tokens_buckets: tuple[int, ...]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineStats:
     """Every rank's figures (one entry for a single rank), the coordinator's wave view,
@@ -90,6 +116,8 @@ class EngineStats:
     requests_per_rank: tuple[int, ...]
     # Structured-output requests accepted since start, per kind ("json", "regex", ...).
     structured_requests: Mapping[str, int] = field(default_factory=dict)
+    # Per rank that sent iteration details (none unless `log_iteration_details`).
+    iterations: tuple[RankIterations, ...] = ()
 
     @property
     def num_waiting(self) -> int:

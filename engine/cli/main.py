@@ -45,6 +45,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             dp_mode=args.dp_mode,
             on_rank_failure=args.on_rank_failure,
             async_scheduling=args.async_scheduling,
+            log_iteration_details=args.log_iteration_details,
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_timeout=args.heartbeat_timeout,
             restart_ranks=getattr(args, "restart_ranks", False),
@@ -343,6 +344,12 @@ def _add_rank_behaviour_flags(group: argparse._ActionsContainer) -> None:
         "--async-scheduling",
         action="store_true",
         help="schedule the next step while the model runs the current one",
+    )
+    group.add_argument(
+        "--log-iteration-details",
+        action="store_true",
+        help="record every forward of every rank (requests, tokens, time, dummy): "
+        "logged at debug level, histograms in /metrics",
     )
     group.add_argument(
         "--heartbeat-interval",

@@ -72,6 +72,8 @@ class EngineCore:
         )
         # Whether the rank runs its steps through the batch queue (`core.batch_queue`).
         self.async_scheduling = config.async_scheduling
+        # Whether the rank records each forward's details (`core.iteration_details`).
+        self.log_iteration_details = config.log_iteration_details
         self.weight_version: str | None = None
         self.grammars = GrammarCompiler(tokenizer, tokenizer.vocab_size)
         self._compiling: dict[str, RequestGrammar] = {}

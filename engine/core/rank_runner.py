@@ -37,6 +37,9 @@ Theory of operation:
 10. A step whose forward or sampling raised fails the rank with a dump of the step
    (`core.step_failure`): its index, the wave, its requests and their token counts,
    in the `RankFailed` and logged once here.
+11. With `log_iteration_details` each forward (a step, or a dummy batch) is recorded
+   once its update is applied (`core.iteration_details`); the details go out with the
+   rank's outputs, held while it has none until it waits for input.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from wavecore.engine import messages as m
 from wavecore.engine.core.batch_queue import BatchQueue
 from wavecore.engine.core.core_effects import COUNTERS, CoreEffects
 from wavecore.engine.core.engine_core import EngineCore
+from wavecore.engine.core.iteration_details import IterationRecorder
 from wavecore.engine.core.model_thread import ModelThread, loop_call_soon
 from wavecore.engine.core.rank_calls import RankCalls
 from wavecore.engine.core.rank_inputs import BadCall, loop_input_of
@@ -161,6 +165,11 @@ class RankRunner:
         self._on_invalid = on_invalid
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._effects = CoreEffects(core, self.rank, self.counts, self.stats, self._start_vote)
+        self._iterations = (
+            IterationRecorder(self._effects.record_iteration)
+            if core.log_iteration_details
+            else None
+        )
         self._queue = (
             BatchQueue(
                 core=core,
@@ -168,6 +177,7 @@ class RankRunner:
                 loop=self.loop,
                 counts=self.counts,
                 emit=self._effects.emit,
+                on_step=None if self._iterations is None else self._iterations.step,
             )
             if core.async_scheduling
             else None
@@ -284,7 +294,7 @@ class RankRunner:
                 item = self._next_input(inbox)
                 if item is None and isinstance(pending, WaitForInput):
                     await self._drain(inbox)
-                    await self._flush()
+                    await self._flush(idle=True)
                     item = await inbox.receive()
                 if isinstance(item, Shutdown):
                     await self._drain(inbox)  # no forward outlives the runner
@@ -308,8 +318,11 @@ class RankRunner:
             await self._drain(inbox)
             await self._flush()
             if isinstance(pending, RunDummy):
-                await self._thread.run(self.core.executor.execute_dummy)
+                dummy = self._thread.start(self.core.executor.execute_dummy)
+                await dummy.wait()
                 self.counts["dummy_steps"] += 1
+                if self._iterations is not None:
+                    self._iterations.dummy(dummy.elapsed_s)
                 loop.complete(None, self._effects)
             elif isinstance(pending, Collective):
                 loop.complete(await self._collective(pending.action), self._effects)
@@ -375,6 +388,8 @@ class RankRunner:
             self._take_waiting_aborts(inbox)
             self._effects.emit(core.update(step, output))
             self.counts["real_steps"] += 1
+            if self._iterations is not None:
+                self._iterations.step(step, job.elapsed_s)
         return StepDone(executed=step is not None, has_unfinished=core.has_unfinished())
 
     async def _drain(self, inbox: MemoryObjectReceiveStream[Any]) -> None:
@@ -520,9 +535,9 @@ class RankRunner:
 
     # -- outputs -----------------------------------------------------------------------
 
-    async def _flush(self) -> None:
+    async def _flush(self, *, idle: bool = False) -> None:
         effects = self._effects
-        for message in effects.take_outputs():
+        for message in effects.take_outputs(idle=idle):
             await self._outputs.send(message)
         notices = effects.take_notices()
         if self._coordinator is not None:

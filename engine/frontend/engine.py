@@ -54,6 +54,7 @@ from wavecore.engine.errors import (
 from wavecore.engine.executors.batch import SampledToken
 from wavecore.engine.frontend.core_client import CoreClient
 from wavecore.engine.frontend.input_processor import InputProcessor
+from wavecore.engine.frontend.iteration_stats import IterationStats
 from wavecore.engine.frontend.load_balancer import LoadBalancer
 from wavecore.engine.frontend.request_stream import RequestStream
 from wavecore.engine.frontend.weight_calls import WeightCalls
@@ -129,6 +130,8 @@ class FrontEnd:
         self._held: dict[str, str] = {}
         # Structured-output requests accepted, per kind (`EngineStats`, /metrics).
         self._structured_requests: Counter[str] = Counter()
+        # The ranks' iteration details (`log_iteration_details`), logged and counted.
+        self._iterations = IterationStats()
         self._calls: dict[int, _Call] = {}
         self._call_ids = itertools.count()
         self._outbox: deque[tuple[int, Any]] = deque()
@@ -343,6 +346,7 @@ class FrontEnd:
             held=dict(self._held),
             requests_per_rank=tuple(self._requests_per_rank),
             structured_requests=dict(self._structured_requests),
+            iterations=self._iterations.snapshot(),
         )
 
     # -- weights ---------------------------------------------------------------------
@@ -621,6 +625,8 @@ class FrontEnd:
         self._outbox_ready.set()
 
     def _on_step_outputs(self, message: m.StepOutputs) -> None:
+        if message.iterations:
+            self._iterations.add(message.rank, message.iterations)
         logprobs = {entry.request_id: entry.entries for entry in message.logprobs}
         finished = message.finished
         errors = message.errors
