@@ -20,6 +20,9 @@ from wavecore.statemachines import PauseMode
 
 PauseModeName = Literal["abort", "wait", "keep"]
 
+# `save_weights`'s shards: Hugging Face's default `max_shard_size`, 5 GB.
+DEFAULT_SHARD_SIZE = 5 * 10**9
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoreStats:
@@ -217,6 +220,20 @@ class Engine(Protocol):
 
     async def set_weight_version(self, version: str | None) -> None:
         """Relabel the weights served now (reported by `stats()` and every delta)."""
+
+    async def save_weights(
+        self, directory: str | os.PathLike[str], *, max_shard_size: int = DEFAULT_SHARD_SIZE
+    ) -> None:
+        """Write the weights the ranks serve (after any `update_weights`) into
+        `directory` (new, or without safetensors files) as a Hugging Face model:
+        safetensors shards of at most `max_shard_size` bytes with their index, the
+        model's `config.json` and tokenizer, and `wavecore_weights.json` with the weight
+        version; `EngineConfig(model=directory)` and `update_weights(directory)` load
+        it. The ranks keep serving (each pauses its steps while it writes). Refused
+        while `update_weights` runs (`WeightUpdateInProgressError`) or the weights
+        sleep (`WeightUpdateRefusedError`); an executor without weights (the null
+        executor) or a failed write raises `WeightUpdateError`-family errors naming
+        the rank."""
 
     async def collective_rpc(
         self,

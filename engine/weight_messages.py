@@ -19,7 +19,8 @@ import numpy as np
 from wavecore.channels import default_registry
 
 STAGE, COMMIT, DISCARD, SET_VERSION = "stage", "commit", "discard", "set_version"
-WEIGHT_ACTIONS = frozenset({STAGE, COMMIT, DISCARD, SET_VERSION})
+SAVE = "save"
+WEIGHT_ACTIONS = frozenset({STAGE, COMMIT, DISCARD, SET_VERSION, SAVE})
 
 
 def _message(tag: int):  # type: ignore[no-untyped-def]
@@ -47,7 +48,8 @@ class WeightsCall:
     against the model and build the new weights beside the old ones; COMMIT: serve with
     what STAGE built (`stage_call`), under `version`; DISCARD: drop it, or the chunks
     of an update abandoned while they were sent (no reply);
-    SET_VERSION: relabel the current weights `version`."""
+    SET_VERSION: relabel the current weights `version`; SAVE: write the served weights
+    into the directory `path`, in shards of at most `max_shard_size` bytes."""
 
     call_id: int
     action: str
@@ -55,6 +57,7 @@ class WeightsCall:
     partial: bool = False
     version: str | None = None
     stage_call: int | None = None
+    max_shard_size: int | None = None
 
 
 @_message(30652)

@@ -16,6 +16,9 @@ Theory of operation:
    are awake (paused in any mode, or asleep with "weights" woken).
 4. A failure is an answer, never the rank's death: nothing changed, the error names
    the file or tensor.
+5. SAVE writes the weights the rank serves, under its weight version, into a
+   directory (`model.weight_export`), between iterations like every call here; it is
+   refused while the weights sleep.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from wavecore.engine.weight_chunks import ChunkAssembler, assemble
 from wavecore.engine.weight_messages import (
     COMMIT,
     DISCARD,
+    SAVE,
     SET_VERSION,
     STAGE,
     RankReply,
@@ -79,6 +83,8 @@ class RankCalls:
         if item.action == SET_VERSION:
             self._core.weight_version = item.version
             return self._reply(item.call_id)
+        if item.action == SAVE:
+            return await self._save(item)
         return self._reply(item.call_id, error=f"unknown weights action {item.action!r}")
 
     # -- weight updates ----------------------------------------------------------------
@@ -128,6 +134,31 @@ class RankCalls:
         self._core.weight_version = call.version
         # Cached prefixes and the KV of kept requests came from the old weights.
         self._core.drop_kv_cache()
+        return self._reply(call.call_id)
+
+    async def _save(self, call: WeightsCall) -> RankReply:
+        if "weights" in self._state().asleep:
+            return self._reply(
+                call.call_id,
+                error="the weights are asleep: call wake_up(['weights']) before save_weights",
+                refused=True,
+            )
+        save = getattr(self._core.executor, "save_weights", None)
+        if save is None or call.path is None or call.max_shard_size is None:
+            return self._reply(
+                call.call_id,
+                error=f"{type(self._core.executor).__name__} cannot save its weights",
+                refused=True,
+            )
+        path, limit, version = call.path, call.max_shard_size, self._core.weight_version
+        try:
+            await self._thread.run(lambda: save(path, max_shard_size=limit, weight_version=version))
+        except WeightUpdateRefusedError as error:
+            return self._reply(call.call_id, error=str(error), refused=True)
+        except EngineError as error:
+            return self._reply(call.call_id, error=str(error))
+        except Exception as error:  # e.g. a full disk: say what
+            return self._reply(call.call_id, error=f"{type(error).__name__}: {error}")
         return self._reply(call.call_id)
 
     # -- collective RPC ----------------------------------------------------------------

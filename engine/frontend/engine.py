@@ -58,7 +58,12 @@ from wavecore.engine.frontend.iteration_stats import IterationStats
 from wavecore.engine.frontend.load_balancer import LoadBalancer
 from wavecore.engine.frontend.request_stream import RequestStream
 from wavecore.engine.frontend.weight_calls import WeightCalls
-from wavecore.engine.interface import EngineStats, PauseModeName, RankStats
+from wavecore.engine.interface import (
+    DEFAULT_SHARD_SIZE,
+    EngineStats,
+    PauseModeName,
+    RankStats,
+)
 from wavecore.engine.outputs import CompletionDelta
 from wavecore.engine.request import Prompt
 from wavecore.engine.sampling_params import SamplingParams
@@ -388,6 +393,27 @@ class FrontEnd:
         _check_version(version)
         self._check_not_scaling("set_weight_version")
         await self._weights.set_weight_version(range(self._dp_size), version)
+
+    async def save_weights(
+        self, directory: str | os.PathLike[str], *, max_shard_size: int = DEFAULT_SHARD_SIZE
+    ) -> None:
+        """See `interface.Engine.save_weights`: the first rank writes (`WeightCalls`)."""
+        self._check_open()
+        if not isinstance(directory, str | os.PathLike):
+            raise InvalidRequestError(
+                f"save_weights takes a directory path, got a {type(directory).__name__}"
+            )
+        if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int):
+            raise InvalidRequestError(f"max_shard_size must be an int, got {max_shard_size!r}")
+        if max_shard_size < 1:
+            raise InvalidRequestError(f"max_shard_size must be positive, got {max_shard_size}")
+        self._check_not_scaling("save_weights")
+        self._check_not_updating("save_weights")
+        if "weights" in self._asleep:
+            raise WeightUpdateRefusedError(
+                "the weights are asleep: call wake_up(['weights']) before save_weights"
+            )
+        await self._weights.save_weights(0, directory, max_shard_size=max_shard_size)
 
     async def collective_rpc(
         self,
