@@ -235,6 +235,17 @@ class Engine(Protocol):
         executor) or a failed write raises `WeightUpdateError`-family errors naming
         the rank."""
 
+    async def start_profile(self, directory: str | os.PathLike[str]) -> None:
+        """Start the torch profiler on every rank (CPU activity, and CUDA where a rank
+        has a GPU); `stop_profile` writes the traces into `directory` (made if
+        missing). `ProfilerStateError` if it already runs; no scale meanwhile."""
+
+    async def stop_profile(self) -> list[str]:
+        """Stop the profiler on every rank; each rank's Chrome trace JSON file (loadable
+        in Perfetto or chrome://tracing, named by rank, member id and pid), in rank
+        order. `ProfilerStateError` if it does not run."""
+        ...
+
     async def collective_rpc(
         self,
         method: str,

@@ -1,4 +1,4 @@
-"""Messages of weight updates and collective RPC (tags 30650-30659).
+"""Messages of weight updates, collective RPC and the profiler (tags 30650-30659).
 
 These calls are answered by a rank outside its protocol machine (`core.rank_calls`):
 they change what the model computes, never what the protocol does. Each call gets one
@@ -83,4 +83,19 @@ class RankReply:
     result: bytes | None = None
 
 
-RANK_CALLS = (WeightChunk, WeightsCall, RpcCall)
+PROFILE_START, PROFILE_STOP = "start", "stop"
+
+
+@_message(30654)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileCall:
+    """`action` PROFILE_START: start the torch profiler, its trace to go into
+    `directory`; PROFILE_STOP: stop it and write the trace (the reply's result is its
+    path)."""
+
+    call_id: int
+    action: str
+    directory: str | None = None
+
+
+RANK_CALLS = (WeightChunk, WeightsCall, RpcCall, ProfileCall)

@@ -19,6 +19,8 @@ Theory of operation:
 5. SAVE writes the weights the rank serves, under its weight version, into a
    directory (`model.weight_export`), between iterations like every call here; it is
    refused while the weights sleep.
+6. The profiler (`core.rank_profiler`) starts and stops on the model thread; a start
+   while it runs, or a stop while it does not, is refused.
 """
 
 from __future__ import annotations
@@ -28,16 +30,19 @@ from typing import Any
 
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.core.model_thread import ModelThread
-from wavecore.engine.errors import EngineError, WeightUpdateRefusedError
+from wavecore.engine.core.rank_profiler import RankProfiler
+from wavecore.engine.errors import EngineError, ProfilerStateError, WeightUpdateRefusedError
 from wavecore.engine.executors.rpc import remote_method
 from wavecore.engine.executors.rpc_values import decode_values, encode_values
 from wavecore.engine.weight_chunks import ChunkAssembler, assemble
 from wavecore.engine.weight_messages import (
     COMMIT,
     DISCARD,
+    PROFILE_START,
     SAVE,
     SET_VERSION,
     STAGE,
+    ProfileCall,
     RankReply,
     RpcCall,
     WeightChunk,
@@ -56,21 +61,28 @@ class RankCalls:
         rank: int,
         model_thread: ModelThread,
         state: Callable[[], RankSnapshot],
+        member: int = 0,
     ) -> None:
         self._core = core
         self._rank = rank
+        self._member = member
+        self._profiler = RankProfiler()
         self._thread = model_thread
         self._state = state
         self._chunks = ChunkAssembler()
         self._staged: tuple[int, object] | None = None
 
-    async def handle(self, item: WeightChunk | WeightsCall | RpcCall) -> RankReply | None:
+    async def handle(
+        self, item: WeightChunk | WeightsCall | RpcCall | ProfileCall
+    ) -> RankReply | None:
         """Perform one call; the reply to send, None for chunks and discards."""
         if isinstance(item, WeightChunk):
             self._chunks.take(item)
             return None
         if isinstance(item, RpcCall):
             return await self._rpc(item)
+        if isinstance(item, ProfileCall):
+            return await self._profile(item)
         if item.action == STAGE:
             return await self._stage(item)
         if item.action == COMMIT:
@@ -160,6 +172,22 @@ class RankCalls:
         except Exception as error:  # e.g. a full disk: say what
             return self._reply(call.call_id, error=f"{type(error).__name__}: {error}")
         return self._reply(call.call_id)
+
+    # -- the profiler ------------------------------------------------------------------
+
+    async def _profile(self, call: ProfileCall) -> RankReply:
+        profiler, rank, member = self._profiler, self._rank, self._member
+        try:
+            if call.action == PROFILE_START and call.directory is not None:
+                directory = call.directory
+                await self._thread.run(lambda: profiler.start(directory, rank=rank, member=member))
+                return self._reply(call.call_id)
+            trace = await self._thread.run(profiler.stop)
+        except ProfilerStateError as error:
+            return self._reply(call.call_id, error=str(error), refused=True)
+        except Exception as error:  # e.g. an unwritable directory: say what
+            return self._reply(call.call_id, error=f"{type(error).__name__}: {error}")
+        return self._reply(call.call_id, result=encode_values(trace, "the trace's path"))
 
     # -- collective RPC ----------------------------------------------------------------
 

@@ -195,8 +195,10 @@ class RankRunner:
         # Groups that broke: kept, never destroyed, since tearing one down may wait for
         # a collective that a stuck peer never finishes.
         self._broken_groups: list[DPGroupHandle] = []
-        # Weight updates and collective RPC, answered outside the machine.
-        self._calls = RankCalls(core, self.rank, model_thread, self.loop.machine.snapshot)
+        # Weight updates, collective RPC and the profiler, answered outside the machine.
+        self._calls = RankCalls(
+            core, self.rank, model_thread, self.loop.machine.snapshot, member=member
+        )
         # Set (from the event loop) when a grammar compile ends: rule 9.
         self._grammar_event: anyio.Event | None = None
 

@@ -44,6 +44,7 @@ from wavecore.engine.errors import (
     EngineError,
     InvalidRequestError,
     PauseInProgressError,
+    ProfilerStateError,
     RankCallError,
     ScalingInProgressError,
     ScalingRefusedError,
@@ -157,6 +158,8 @@ class FrontEnd:
         self._paused = False
         self._asleep: frozenset[str] = frozenset()
         self._scaling = False
+        # Whether the ranks run the torch profiler (`start_profile`).
+        self._profiling = False
         # A level-2 sleep dropped the weights: they come back from the model file.
         self._weights_dropped = False
         self._dead: EngineDeadError | None = None
@@ -415,6 +418,43 @@ class FrontEnd:
             )
         await self._weights.save_weights(0, directory, max_shard_size=max_shard_size)
 
+    async def start_profile(self, directory: str | os.PathLike[str]) -> None:
+        """See `interface.Engine.start_profile`."""
+        self._check_open()
+        if not isinstance(directory, str | os.PathLike):
+            raise InvalidRequestError(
+                f"start_profile takes a directory path, got a {type(directory).__name__}"
+            )
+        self._check_not_scaling("start_profile")
+        if self._profiling:
+            raise ProfilerStateError("the profiler already runs: call stop_profile first")
+        self._profiling = True
+        try:
+            await self._weights.profile(range(self._dp_size), "start", directory)
+        except BaseException:
+            # The ranks that did start must not keep profiling.
+            with anyio.CancelScope(shield=True):
+                await self._stop_profile_quietly()
+            raise
+
+    async def _stop_profile_quietly(self) -> None:
+        try:
+            await self._weights.profile(range(self._dp_size), "stop", None)
+        except EngineError:
+            pass  # the ranks that never started refuse, which is all this says
+        finally:
+            self._profiling = False
+
+    async def stop_profile(self) -> list[str]:
+        """See `interface.Engine.stop_profile`."""
+        self._check_open()
+        if not self._profiling:
+            raise ProfilerStateError("the profiler is not running: call start_profile first")
+        try:
+            return await self._weights.profile(range(self._dp_size), "stop", None)
+        finally:
+            self._profiling = False
+
     async def collective_rpc(
         self,
         method: str,
@@ -449,6 +489,8 @@ class FrontEnd:
             )
         if new_dp_size == self._dp_size:
             return
+        if self._profiling:
+            raise ScalingRefusedError("the profiler runs: call stop_profile before scaling")
         if self._weights.updated:
             raise ScalingRefusedError(
                 "the ranks serve weights given to update_weights (version "

@@ -15,7 +15,9 @@ Theory of operation:
 3. `save_weights` asks the first rank to write the weights it serves (every rank
    serves the same: an update commits on all or none) into a directory of this
    machine's file system; it holds the update lock, so no update starts meanwhile.
-4. `collective_rpc` sends one `RpcCall` to every rank and returns the results in rank
+4. `profile` starts or stops the torch profiler on every rank; a stop returns each
+   rank's trace file.
+5. `collective_rpc` sends one `RpcCall` to every rank and returns the results in rank
    order; a rank that fails or does not answer within `timeout` is named.
 """
 
@@ -31,6 +33,7 @@ import anyio
 from wavecore.engine.errors import (
     CollectiveRpcError,
     EngineError,
+    ProfilerStateError,
     RankCallError,
     WeightUpdateError,
     WeightUpdateRefusedError,
@@ -40,9 +43,11 @@ from wavecore.engine.weight_chunks import flat_tensors, tensor_chunks
 from wavecore.engine.weight_messages import (
     COMMIT,
     DISCARD,
+    PROFILE_START,
     SAVE,
     SET_VERSION,
     STAGE,
+    ProfileCall,
     RankReply,
     RpcCall,
     WeightChunk,
@@ -184,6 +189,28 @@ class WeightCalls:
         if failed.error is not None:
             kind = WeightUpdateRefusedError if failed.refused else WeightUpdateError
             raise kind(f"save_weights failed (rank {rank}: {failed.error})")
+
+    async def profile(
+        self, ranks: Sequence[int], action: str, directory: str | os.PathLike[str] | None
+    ) -> list[str]:
+        """Start (`directory` given) or stop the profiler on `ranks`; a stop's result is
+        each rank's trace file, in rank order."""
+        path = None if directory is None else _local_path(directory)
+        call_id = next(self._call_ids)
+        message = ProfileCall(call_id=call_id, action=action, directory=path)
+        replies = await self._call(ranks, message, call_id=call_id)
+        failed = {rank: reply for rank, reply in sorted(replies.items()) if reply.error}
+        if failed:
+            detail = "; ".join(f"rank {rank}: {reply.error}" for rank, reply in failed.items())
+            kind = (
+                ProfilerStateError
+                if all(reply.refused for reply in failed.values())
+                else RankCallError
+            )
+            raise kind(f"{action}_profile failed ({detail})")
+        if action == PROFILE_START:
+            return []
+        return [_result(f"{action}_profile", replies[rank]) for rank in ranks]
 
     async def reloaded(self, ranks: Sequence[int]) -> None:
         """The ranks are about to reload the model file's weights (a level-2 wake)."""
