@@ -23,6 +23,10 @@ With `--iteration-details`, instead: the cost of `log_iteration_details`. Two lo
 engines per dp_size (1, 2), one with the details off and one with them on, open side by
 side; throughput runs alternate between them (`--repeats` each), and the table gives
 the median streamed tokens/s of each and their ratio (results/dp_iteration_details.json).
+On a shared, loaded machine those differ by more from run to run than the details
+cost, so the same run also times what they add per step, in this process: recording
+a step of `--max-num-seqs` decodes, the codec round trip of its `StepOutputs` with
+and without them, and the front end's count (medians of alternating rounds).
 
 Usage: python bench/dp.py [--quick] [--executor null|model] [--requests N] [--max-tokens N]
        [--iteration-details [--repeats N]] [--output PATH]
@@ -174,6 +178,68 @@ async def _measure_details(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _per_step_cost(max_num_seqs: int, rounds: int = 7, calls: int = 2000) -> dict[str, float]:
+    """Microseconds that iteration details add to one step (see the module docstring)."""
+    from wavecore.channels import Codec
+    from wavecore.engine import messages as m
+    from wavecore.engine.core.engine_core import EngineCore
+    from wavecore.engine.core.iteration_details import IterationRecorder
+    from wavecore.engine.frontend.iteration_stats import IterationStats
+    from wavecore.engine.request import EngineRequest
+
+    config = EngineConfig(
+        executor="null",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(2048, max_num_seqs * 16),
+        kv_cache_memory=2**30,
+    )
+    core = EngineCore.from_config(config)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    for number in range(max_num_seqs):
+        prompt = tuple(f"request {number} ".encode() * 4)
+        core.add_request(
+            EngineRequest(request_id=str(number), prompt_token_ids=prompt, params=params)
+        )
+    while True:  # until a step where every request decodes
+        step = core.schedule()
+        assert step is not None
+        if all(chunk.start_pos >= chunk.prompt_len for chunk in step.batch.chunks):
+            break
+        core.update(step, core.execute(step))
+    recorded: list[Any] = []
+    recorder = IterationRecorder(recorded.append)
+    recorder.step(step, 0.001)
+    ids = tuple(chunk.request_id for chunk in step.batch.chunks)
+    columns = {"rank": 0, "request_ids": ids, "token_counts": (1,) * len(ids)}
+    plain = m.StepOutputs(**columns, token_ids=tuple(range(len(ids))), finished={})
+    detailed = m.StepOutputs(
+        **columns, token_ids=tuple(range(len(ids))), finished={}, iterations=(recorded[0],)
+    )
+    codec, counts = Codec(), IterationStats()
+
+    def timed(work: Any) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            work()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    figures: dict[str, list[float]] = {"record": [], "off": [], "on": [], "count": []}
+    for _ in range(rounds):
+        figures["record"].append(timed(lambda: recorder.step(step, 0.001)))
+        figures["off"].append(timed(lambda: codec.decode(codec.encode(plain))))
+        figures["on"].append(timed(lambda: codec.decode(codec.encode(detailed))))
+        figures["count"].append(timed(lambda: counts.add(0, recorded[:1])))
+    median = {name: statistics.median(values) for name, values in figures.items()}
+    return {
+        "requests_per_step": len(ids),
+        "record_us": median["record"],
+        "codec_off_us": median["off"],
+        "codec_on_us": median["on"],
+        "front_end_us": median["count"],
+        "added_us": median["record"] + median["on"] - median["off"] + median["count"],
+    }
+
+
 def _print_details_table(rows: list[dict[str, Any]]) -> None:
     header = f"{'dp':>3} {'mode':<10} {'off tokens/s':>13} {'on tokens/s':>12} {'on/off':>7}"
     print(header)
@@ -191,6 +257,13 @@ def _details_main(args: argparse.Namespace) -> None:
         args.dp_sizes, args.requests, args.max_tokens, args.repeats = (2,), 8, 8, 1
     rows = anyio.run(_measure_details, args)
     _print_details_table(rows)
+    per_step = _per_step_cost(args.max_num_seqs)
+    print(
+        f"per step of {per_step['requests_per_step']} decodes: recording "
+        f"{per_step['record_us']:.1f} us, codec round trip {per_step['codec_off_us']:.1f} us "
+        f"off / {per_step['codec_on_us']:.1f} us on, front end {per_step['front_end_us']:.1f} "
+        f"us; added {per_step['added_us']:.1f} us"
+    )
     output = args.output or RESULTS.with_name("dp_iteration_details.json")
     result = {
         "benchmark": "dp_iteration_details",
@@ -201,6 +274,7 @@ def _details_main(args: argparse.Namespace) -> None:
         "repeats": args.repeats,
         "machine": describe(),
         "rows": rows,
+        "per_step": per_step,
     }
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2) + "\n")
