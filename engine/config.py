@@ -59,6 +59,11 @@ class EngineConfig:
     `"float32"`, the default, keeps them as loaded. `dtype` is the compute dtype:
     "auto" (the default) is float32 on the CPU and bfloat16 (else float16) on a GPU.
 
+    `log_iteration_details=True` has each rank record every forward (its context and
+    generation requests and tokens, its time, whether it was a dummy batch) and send
+    it with its outputs; the front end logs each at debug level and counts them in
+    `EngineStats.iterations` (`/metrics` histograms). Off by default.
+
     `prefill_interval=K` admits new requests only on every K-th step (decodes run every
     step), trading time to first token for steadier inter-token latency; lockstep ranks
     count steps in their wave, so all of them admit on the same steps.
@@ -66,11 +71,6 @@ class EngineConfig:
     `async_scheduling=True` turns on the batch queue: each rank schedules its next step
     while the current one runs, so the model never waits for the engine's Python
     (outputs are identical; see `engine/core/batch_queue.py`). Off by default.
-
-    `log_iteration_details=True` has each rank record every forward (its context and
-    generation requests and tokens, its time, whether it was a dummy batch) and send
-    it with its outputs; the front end logs each at debug level and counts them in
-    `EngineStats.iterations` (`/metrics` histograms). Off by default.
     """
 
     model: str | None = None
@@ -86,11 +86,11 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
-    log_iteration_details: bool = False
     seed: int = 0
     dp_size: int = 1
     dp_mode: DPMode = "lockstep"
     sync_interval: int = 1
+    log_iteration_details: bool = False
     transport: Transport = "ipc"
     startup_timeout: float = 120.0
     collective_timeout: float = 60.0
@@ -132,9 +132,15 @@ class EngineConfig:
                 "EngineConfig.restart_ranks needs on_rank_failure='shrink' (with 'fail' a "
                 "lost rank ends the engine: there is nothing to restart into)"
             )
-        for name in ("async_scheduling", "log_iteration_details"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.log_iteration_details, bool):
+            raise ValueError(
+                "EngineConfig.log_iteration_details must be a bool, "
+                f"got {self.log_iteration_details!r}"
+            )
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"EngineConfig.async_scheduling must be a bool, got {self.async_scheduling!r}"
+            )
         memory = self.kv_cache_memory
         if isinstance(memory, bool) or not isinstance(memory, int | float) or memory <= 0:
             raise ValueError(f"EngineConfig.kv_cache_memory must be positive, got {memory!r}")
