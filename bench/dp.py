@@ -19,13 +19,23 @@ rank starts a non-blocking all-reduce of its pause vote at each step and reads i
 the next, so a pause that reached every rank is agreed one forward later and holds
 after at most two.
 
+With `--iteration-details`, instead: the cost of `log_iteration_details`. Two lockstep
+engines per dp_size (1, 2), one with the details off and one with them on, open side by
+side; throughput runs alternate between them (`--repeats` each), and the table gives
+the median streamed tokens/s of each and their ratio (results/dp_iteration_details.json).
+On a shared, loaded machine those differ by more from run to run than the details
+cost, so the same run also times what they add per step, in this process: recording
+a step of `--max-num-seqs` decodes, the codec round trip of its `StepOutputs` with
+and without them, and the front end's count (medians of alternating rounds).
+
 Usage: python bench/dp.py [--quick] [--executor null|model] [--requests N] [--max-tokens N]
-       [--output PATH]
+       [--iteration-details [--repeats N]] [--output PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -137,6 +147,140 @@ async def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+async def _measure_details(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for dp_size in args.dp_sizes:
+        config = _config(dp_size, "lockstep", args)
+        async with (
+            open_dp_engine(config) as off,
+            open_dp_engine(dataclasses.replace(config, log_iteration_details=True)) as on,
+        ):
+            for engine in (off, on):
+                await _throughput(engine, max(2, args.requests // 8), 4)  # warm-up
+            figures: dict[str, list[float]] = {"off": [], "on": []}
+            for _ in range(args.repeats):
+                for name, engine in (("off", off), ("on", on)):
+                    run = await _throughput(engine, args.requests, args.max_tokens)
+                    figures[name].append(run["tokens_per_s"])
+            steps = sum(rank.steps + rank.dummy_steps for rank in (await on.stats()).iterations)
+        row = {
+            "dp_size": dp_size,
+            "mode": "lockstep",
+            "tokens_per_s_off": statistics.median(figures["off"]),
+            "tokens_per_s_on": statistics.median(figures["on"]),
+            "runs_off": figures["off"],
+            "runs_on": figures["on"],
+            "forwards_recorded": steps,
+        }
+        row["on_vs_off"] = row["tokens_per_s_on"] / row["tokens_per_s_off"]
+        rows.append(row)
+        print(f"  measured dp_size={dp_size} with and without iteration details", flush=True)
+    return rows
+
+
+def _per_step_cost(max_num_seqs: int, rounds: int = 7, calls: int = 2000) -> dict[str, float]:
+    """Microseconds that iteration details add to one step (see the module docstring)."""
+    from wavecore.channels import Codec
+    from wavecore.engine import messages as m
+    from wavecore.engine.core.engine_core import EngineCore
+    from wavecore.engine.core.iteration_details import IterationRecorder
+    from wavecore.engine.frontend.iteration_stats import IterationStats
+    from wavecore.engine.request import EngineRequest
+
+    config = EngineConfig(
+        executor="null",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(2048, max_num_seqs * 16),
+        kv_cache_memory=2**30,
+    )
+    core = EngineCore.from_config(config)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    for number in range(max_num_seqs):
+        prompt = tuple(f"request {number} ".encode() * 4)
+        core.add_request(
+            EngineRequest(request_id=str(number), prompt_token_ids=prompt, params=params)
+        )
+    while True:  # until a step where every request decodes
+        step = core.schedule()
+        assert step is not None
+        if all(chunk.start_pos >= chunk.prompt_len for chunk in step.batch.chunks):
+            break
+        core.update(step, core.execute(step))
+    recorded: list[Any] = []
+    recorder = IterationRecorder(recorded.append)
+    recorder.step(step, 0.001)
+    ids = tuple(chunk.request_id for chunk in step.batch.chunks)
+    columns = {"rank": 0, "request_ids": ids, "token_counts": (1,) * len(ids)}
+    plain = m.StepOutputs(**columns, token_ids=tuple(range(len(ids))), finished={})
+    detailed = m.StepOutputs(
+        **columns, token_ids=tuple(range(len(ids))), finished={}, iterations=(recorded[0],)
+    )
+    codec, counts = Codec(), IterationStats()
+
+    def timed(work: Any) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            work()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    figures: dict[str, list[float]] = {"record": [], "off": [], "on": [], "count": []}
+    for _ in range(rounds):
+        figures["record"].append(timed(lambda: recorder.step(step, 0.001)))
+        figures["off"].append(timed(lambda: codec.decode(codec.encode(plain))))
+        figures["on"].append(timed(lambda: codec.decode(codec.encode(detailed))))
+        figures["count"].append(timed(lambda: counts.add(0, recorded[:1])))
+    median = {name: statistics.median(values) for name, values in figures.items()}
+    return {
+        "requests_per_step": len(ids),
+        "record_us": median["record"],
+        "codec_off_us": median["off"],
+        "codec_on_us": median["on"],
+        "front_end_us": median["count"],
+        "added_us": median["record"] + median["on"] - median["off"] + median["count"],
+    }
+
+
+def _print_details_table(rows: list[dict[str, Any]]) -> None:
+    header = f"{'dp':>3} {'mode':<10} {'off tokens/s':>13} {'on tokens/s':>12} {'on/off':>7}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        print(
+            f"{row['dp_size']:>3} {row['mode']:<10} {row['tokens_per_s_off']:>13.0f} "
+            f"{row['tokens_per_s_on']:>12.0f} {row['on_vs_off']:>6.3f}x"
+        )
+
+
+def _details_main(args: argparse.Namespace) -> None:
+    args.dp_sizes = (1, 2)
+    if args.quick:
+        args.dp_sizes, args.requests, args.max_tokens, args.repeats = (2,), 8, 8, 1
+    rows = anyio.run(_measure_details, args)
+    _print_details_table(rows)
+    per_step = _per_step_cost(args.max_num_seqs)
+    print(
+        f"per step of {per_step['requests_per_step']} decodes: recording "
+        f"{per_step['record_us']:.1f} us, codec round trip {per_step['codec_off_us']:.1f} us "
+        f"off / {per_step['codec_on_us']:.1f} us on, front end {per_step['front_end_us']:.1f} "
+        f"us; added {per_step['added_us']:.1f} us"
+    )
+    output = args.output or RESULTS.with_name("dp_iteration_details.json")
+    result = {
+        "benchmark": "dp_iteration_details",
+        "quick": args.quick,
+        "executor": args.executor,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "machine": describe(),
+        "rows": rows,
+        "per_step": per_step,
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {output}")
+
+
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
     by_key = {(row["dp_size"], row["mode"]): row for row in rows}
     for row in rows:
@@ -203,8 +347,17 @@ def main() -> None:
         default="null",
         help="model: the real model at dp 2, 16 requests of 32 tokens (results/dp_model.json)",
     )
+    parser.add_argument(
+        "--iteration-details",
+        action="store_true",
+        help="measure log_iteration_details on against off instead (same run)",
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="with --iteration-details")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
+    if args.iteration_details:
+        _details_main(args)
+        return
     args.dp_sizes = (1, 2, 4)
     args.pause_repeats = 5
     if args.executor == "model":

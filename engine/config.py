@@ -70,6 +70,11 @@ class EngineConfig:
     the compute dtype: "auto" is float32 on the CPU and bfloat16 (else float16) on a
     GPU; an explicit dtype, or a GPU, makes "auto" weights "float32".
 
+    `log_iteration_details=True` has each rank record every forward (its context and
+    generation requests and tokens, its time, whether it was a dummy batch) and send
+    it with its outputs; the front end logs each at debug level and counts them in
+    `EngineStats.iterations` (`/metrics` histograms). Off by default.
+
     `prefill_interval=K` admits new requests only on every K-th step (decodes run every
     step), trading time to first token for steadier inter-token latency; lockstep ranks
     count steps in their wave, so all of them admit on the same steps.
@@ -108,6 +113,7 @@ class EngineConfig:
     dp_size: int = 1
     dp_mode: DPMode = "lockstep"
     sync_interval: int = 1
+    log_iteration_details: bool = False
     transport: Transport = "ipc"
     startup_timeout: float = 120.0
     collective_timeout: float = 60.0
@@ -170,6 +176,11 @@ class EngineConfig:
             raise ValueError(
                 "EngineConfig.restart_ranks needs on_rank_failure='shrink' (with 'fail' a "
                 "lost rank ends the engine: there is nothing to restart into)"
+            )
+        if not isinstance(self.log_iteration_details, bool):
+            raise ValueError(
+                "EngineConfig.log_iteration_details must be a bool, "
+                f"got {self.log_iteration_details!r}"
             )
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(

@@ -77,6 +77,10 @@ class WeightUpdateError(EngineError, ValueError):
     file, a failing rank); the message names it. Every rank kept its old weights."""
 
 
+class ProfilerStateError(EngineError):
+    """`start_profile` while the profiler runs, or `stop_profile` while it does not."""
+
+
 class CollectiveRpcError(EngineError):
     """`collective_rpc` failed: an unregistered method, bad arguments, or a rank that
     raised or did not answer in time; the message names the rank."""

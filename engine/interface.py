@@ -20,6 +20,9 @@ from wavecore.statemachines import PauseMode
 
 PauseModeName = Literal["abort", "wait", "keep"]
 
+# `save_weights`'s shards: Hugging Face's default `max_shard_size`, 5 GB.
+DEFAULT_SHARD_SIZE = 5 * 10**9
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CoreStats:
@@ -87,6 +90,32 @@ class RankStats:
     dropped_frames: dict[str, int] = field(default_factory=dict)
 
 
+# The upper bounds of the histograms of `RankIterations`: milliseconds a forward took,
+# tokens it ran (a last bucket, +Inf, counts the rest).
+STEP_MS_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0)
+STEP_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankIterations:
+    """One rank's forwards as its iteration details told the front end
+    (`EngineConfig.log_iteration_details`): totals, and the histograms of their time
+    and tokens (`ms_buckets[i]`: forwards that took at most `STEP_MS_BUCKETS[i]` ms, not
+    cumulative; the last entry counts the rest; the same for tokens). Dummy batches
+    count in `dummy_steps` and the time histogram, not in the tokens'."""
+
+    rank: int
+    steps: int
+    dummy_steps: int
+    context_requests: int
+    context_tokens: int
+    generation_requests: int
+    generation_tokens: int
+    elapsed_ms: float
+    ms_buckets: tuple[int, ...]
+    tokens_buckets: tuple[int, ...]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineStats:
     """Every rank's figures (one entry for a single rank), the coordinator's wave view,
@@ -102,6 +131,8 @@ class EngineStats:
     # Frames dropped as malformed or impossible, by receiving channel (front end,
     # coordinator and ranks alike): a hostile or broken peer shows here.
     dropped_frames: Mapping[str, int] = field(default_factory=dict)
+    # Per rank that sent iteration details (none unless `log_iteration_details`).
+    iterations: tuple[RankIterations, ...] = ()
 
     @property
     def num_waiting(self) -> int:
@@ -201,6 +232,31 @@ class Engine(Protocol):
 
     async def set_weight_version(self, version: str | None) -> None:
         """Relabel the weights served now (reported by `stats()` and every delta)."""
+
+    async def save_weights(
+        self, directory: str | os.PathLike[str], *, max_shard_size: int = DEFAULT_SHARD_SIZE
+    ) -> None:
+        """Write the weights the ranks serve (after any `update_weights`) into
+        `directory` (new, or without safetensors files) as a Hugging Face model:
+        safetensors shards of at most `max_shard_size` bytes with their index, the
+        model's `config.json` and tokenizer, and `wavecore_weights.json` with the weight
+        version; `EngineConfig(model=directory)` and `update_weights(directory)` load
+        it. The ranks keep serving (each pauses its steps while it writes). Refused
+        while `update_weights` runs (`WeightUpdateInProgressError`) or the weights
+        sleep (`WeightUpdateRefusedError`); an executor without weights (the null
+        executor) or a failed write raises `WeightUpdateError`-family errors naming
+        the rank."""
+
+    async def start_profile(self, directory: str | os.PathLike[str]) -> None:
+        """Start the torch profiler on every rank (CPU activity, and CUDA where a rank
+        has a GPU); `stop_profile` writes the traces into `directory` (made if
+        missing). `ProfilerStateError` if it already runs; no scale meanwhile."""
+
+    async def stop_profile(self) -> list[str]:
+        """Stop the profiler on every rank; each rank's Chrome trace JSON file (loadable
+        in Perfetto or chrome://tracing, named by rank, member id and pid), in rank
+        order. `ProfilerStateError` if it does not run."""
+        ...
 
     async def collective_rpc(
         self,

@@ -150,6 +150,9 @@ UTILITY_METHODS = frozenset({"pause", "resume", "sleep", "wake_up", "reset_prefi
 
 # -- rank -> client -----------------------------------------------------------------
 
+# The most `IterationDetails` a rank holds back before it sends them in a frame.
+ITERATIONS_PER_FRAME = 64
+
 
 @_message(30620)
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,6 +161,23 @@ class RequestLogprobs:
 
     request_id: str
     entries: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...]
+
+
+@_message(30646)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IterationDetails:
+    """One forward of a rank (`EngineConfig.log_iteration_details`), upstream's fields:
+    its index among the rank's forwards, the context (prefill) and generation (decode)
+    requests it ran and their tokens, how long its forward and sampling took on the
+    model thread, and whether it was a dummy batch (a lockstep rank with no work)."""
+
+    iteration: int
+    context_requests: int
+    context_tokens: int
+    generation_requests: int
+    generation_tokens: int
+    elapsed_ms: float
+    dummy: bool = False
 
 
 @_message(30621)
@@ -170,6 +190,11 @@ class StepOutputs:
     `token_ids`; `finished` maps the requests that finished to their reason, and
     `errors` those that finished with reason "error" to what went wrong (a grammar
     that failed on the rank).
+
+    `iterations` (only with `log_iteration_details`) are the forwards the rank ran
+    since its last frame that carried any: a rank that runs only dummy batches holds
+    them until it has `ITERATIONS_PER_FRAME`, answers a call or waits for input, so
+    they never cost a frame of their own per step.
     """
 
     rank: int
@@ -179,6 +204,7 @@ class StepOutputs:
     finished: dict[str, str]
     logprobs: tuple[RequestLogprobs, ...] = ()
     errors: dict[str, str] = field(default_factory=dict)
+    iterations: tuple[IterationDetails, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.token_counts) != len(self.request_ids):

@@ -1,4 +1,4 @@
-"""Messages of weight updates and collective RPC (tags 30650-30659).
+"""Messages of weight updates, collective RPC and the profiler (tags 30650-30659).
 
 These calls are answered by a rank outside its protocol machine (`core.rank_calls`):
 they change what the model computes, never what the protocol does. Each call gets one
@@ -19,7 +19,8 @@ import numpy as np
 from wavecore.channels import default_registry
 
 STAGE, COMMIT, DISCARD, SET_VERSION = "stage", "commit", "discard", "set_version"
-WEIGHT_ACTIONS = frozenset({STAGE, COMMIT, DISCARD, SET_VERSION})
+SAVE = "save"
+WEIGHT_ACTIONS = frozenset({STAGE, COMMIT, DISCARD, SET_VERSION, SAVE})
 
 
 def _message(tag: int):  # type: ignore[no-untyped-def]
@@ -47,7 +48,8 @@ class WeightsCall:
     against the model and build the new weights beside the old ones; COMMIT: serve with
     what STAGE built (`stage_call`), under `version`; DISCARD: drop it, or the chunks
     of an update abandoned while they were sent (no reply);
-    SET_VERSION: relabel the current weights `version`."""
+    SET_VERSION: relabel the current weights `version`; SAVE: write the served weights
+    into the directory `path`, in shards of at most `max_shard_size` bytes."""
 
     call_id: int
     action: str
@@ -55,6 +57,7 @@ class WeightsCall:
     partial: bool = False
     version: str | None = None
     stage_call: int | None = None
+    max_shard_size: int | None = None
 
 
 @_message(30652)
@@ -80,4 +83,19 @@ class RankReply:
     result: bytes | None = None
 
 
-RANK_CALLS = (WeightChunk, WeightsCall, RpcCall)
+PROFILE_START, PROFILE_STOP = "start", "stop"
+
+
+@_message(30654)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileCall:
+    """`action` PROFILE_START: start the torch profiler, its trace to go into
+    `directory`; PROFILE_STOP: stop it and write the trace (the reply's result is its
+    path)."""
+
+    call_id: int
+    action: str
+    directory: str | None = None
+
+
+RANK_CALLS = (WeightChunk, WeightsCall, RpcCall, ProfileCall)

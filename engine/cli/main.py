@@ -63,6 +63,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_timeout=args.heartbeat_timeout,
             restart_ranks=getattr(args, "restart_ranks", False),
+            log_iteration_details=args.log_iteration_details,
             # Ranks started elsewhere connect over tcp; the transport is not hashed.
             transport="tcp" if getattr(args, "dp_master", None) else "ipc",
         )
@@ -429,6 +430,12 @@ def _add_rank_behaviour_flags(group: argparse._ActionsContainer) -> None:
         metavar="SECONDS",
         help="a rank silent this long is lost; a headless rank whose front end is silent "
         "this long exits (code 3)",
+    )
+    group.add_argument(
+        "--log-iteration-details",
+        action="store_true",
+        help="record every forward of every rank (requests, tokens, time, dummy): "
+        "logged at debug level, histograms in /metrics",
     )
 
 

@@ -77,7 +77,8 @@ class InFlight:
 
 class BatchQueue:
     """One rank's queue of at most one step ahead; see the module docstring. `emit`
-    takes a step's updates (the runner's effects), `counts` are the runner's counters."""
+    takes a step's updates (the runner's effects), `counts` are the runner's counters,
+    `on_step` is told of each step that ran and its time (iteration details)."""
 
     def __init__(
         self,
@@ -87,12 +88,14 @@ class BatchQueue:
         loop: RankLoop,
         counts: dict[str, int],
         emit: Callable[[list[RequestUpdate]], None],
+        on_step: Callable[[SchedulerOutput, float], None] | None = None,
     ) -> None:
         self._core = core
         self._thread = thread
         self._loop = loop
         self._counts = counts
         self._emit = emit
+        self._on_step = on_step
         self._ahead: InFlight | None = None
 
     async def step(self, take_aborts: Callable[[], None]) -> StepDone:
@@ -172,6 +175,8 @@ class BatchQueue:
         if ahead is not None and slot is not None:
             self._core.fill_bitmask(ahead.step, slot)  # rule 6: the matchers are current
         self._counts["real_steps"] += 1
+        if self._on_step is not None:
+            self._on_step(in_flight.step, in_flight.job.elapsed_s)
 
 
 class _NoEffects:

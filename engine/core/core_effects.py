@@ -63,6 +63,8 @@ class CoreEffects:
         self._finished: dict[str, str] = {}
         self._errors: dict[str, str] = {}
         self._logprobs: list[m.RequestLogprobs] = []
+        # Forwards recorded since the last frame that carried them (`record_iteration`).
+        self._iterations: list[m.IterationDetails] = []
 
     def renumber(self, rank: int) -> None:
         """A shrink gave this rank a new number: its messages carry it from now on."""
@@ -133,7 +135,7 @@ class CoreEffects:
                 forwards = self._forwards() - self._pause_started_at
                 self._counters["last_pause_forwards"] = forwards
                 self._pause_started_at = None
-        self._close_step_outputs()  # the call's own updates go first
+        self._close_step_outputs(with_iterations=True)  # the call's own updates go first
         stats = result if isinstance(result, RankStats) else None
         self._outputs.append(
             m.UtilityResult(rank=self._rank, call_id=call_id, error=error, stats=stats)
@@ -163,8 +165,15 @@ class CoreEffects:
                 entries = tuple((s.token_id, s.logprob, s.top_logprobs) for s in update.sampled)
                 self._logprobs.append(m.RequestLogprobs(request_id=request_id, entries=entries))
 
-    def _close_step_outputs(self) -> None:
-        if not self._ids:
+    def record_iteration(self, details: m.IterationDetails) -> None:
+        """A forward's details, sent with the next `StepOutputs` (see its docstring)."""
+        self._iterations.append(details)
+
+    def _close_step_outputs(self, *, with_iterations: bool = False) -> None:
+        """Close the iteration's `StepOutputs`, if it has updates, or if it must carry
+        the held iteration details (`with_iterations`, or too many held)."""
+        held = len(self._iterations)
+        if not self._ids and not (held and (with_iterations or held >= m.ITERATIONS_PER_FRAME)):
             return
         self._outputs.append(
             m.StepOutputs(
@@ -175,13 +184,17 @@ class CoreEffects:
                 finished=self._finished,
                 logprobs=tuple(self._logprobs),
                 errors=self._errors,
+                iterations=tuple(self._iterations),
             )
         )
         self._ids, self._counts, self._tokens = [], [], []
         self._finished, self._logprobs, self._errors = {}, [], {}
+        self._iterations = []
 
-    def take_outputs(self) -> list[object]:
-        self._close_step_outputs()
+    def take_outputs(self, *, idle: bool = False) -> list[object]:
+        """What to send now; `idle`: the rank is about to wait for input, so the held
+        iteration details go too."""
+        self._close_step_outputs(with_iterations=idle)
         outputs, self._outputs = self._outputs, []
         return outputs
 

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 
 from wavecore.engine.config import EngineConfig
+from wavecore.engine.core.step_failure import StepFailed
 from wavecore.engine.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError
 from wavecore.engine.executors.batch import Executor, GrammarBitmask, ModelOutput
 from wavecore.engine.interface import CoreStats
@@ -72,6 +73,8 @@ class EngineCore:
         )
         # Whether the rank runs its steps through the batch queue (`core.batch_queue`).
         self.async_scheduling = config.async_scheduling
+        # Whether the rank records each forward's details (`core.iteration_details`).
+        self.log_iteration_details = config.log_iteration_details
         self.weight_version: str | None = None
         self.grammars = GrammarCompiler(tokenizer, tokenizer.vocab_size)
         self._compiling: dict[str, RequestGrammar] = {}
@@ -200,9 +203,17 @@ class EngineCore:
         self, step: SchedulerOutput, bitmask: Future[GrammarBitmask | None] | None = None
     ) -> ModelOutput:
         """On the model thread: the forward, then sampling with the bitmask that the
-        driver fills meanwhile (`bitmask_slot`; None when no row needs one)."""
-        forward = self.executor.execute_model(step.batch)
-        return self.executor.sample_tokens(forward, None if bitmask is None else bitmask.result())
+        driver fills meanwhile (`bitmask_slot`; None when no row needs one). An error of
+        either is raised as `StepFailed`, which knows the step (`core.step_failure`)."""
+        try:
+            forward = self.executor.execute_model(step.batch)
+        except Exception as error:
+            raise StepFailed(step, "forward") from error
+        mask = None if bitmask is None else bitmask.result()
+        try:
+            return self.executor.sample_tokens(forward, mask)
+        except Exception as error:
+            raise StepFailed(step, "sampling") from error
 
     def bitmask_slot(self, step: SchedulerOutput) -> Future[GrammarBitmask | None] | None:
         """Where `fill_bitmask` puts this step's bitmask, or None if no sampling row of

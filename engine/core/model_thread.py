@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -33,12 +34,17 @@ class ModelJob(Generic[T]):
         self._done = anyio.Event()
         self._call_soon = loop_call_soon()
         self._outcome: tuple[bool, Any] | None = None
+        # How long the call ran on the model thread (its wait behind earlier jobs
+        # aside): a step's time in its iteration details.
+        self.elapsed_s = 0.0
 
     def __call__(self) -> None:  # on the model thread
+        started = time.perf_counter()
         try:
             self._outcome = (True, self._fn(*self._args))
         except BaseException as error:  # delivered to whoever reads the result
             self._outcome = (False, error)
+        self.elapsed_s = time.perf_counter() - started
         # Without waiting for the event loop (what `from_thread.run_sync` would do): the
         # thread goes on to the next job at once, even while the loop is busy.
         self._call_soon(self._done.set)

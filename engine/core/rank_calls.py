@@ -16,6 +16,11 @@ Theory of operation:
    are awake (paused in any mode, or asleep with "weights" woken).
 4. A failure is an answer, never the rank's death: nothing changed, the error names
    the file or tensor.
+5. SAVE writes the weights the rank serves, under its weight version, into a
+   directory (`model.weight_export`), between iterations like every call here; it is
+   refused while the weights sleep.
+6. The profiler (`core.rank_profiler`) starts and stops on the model thread; a start
+   while it runs, or a stop while it does not, is refused.
 """
 
 from __future__ import annotations
@@ -25,15 +30,19 @@ from typing import Any
 
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.core.model_thread import ModelThread
-from wavecore.engine.errors import EngineError, WeightUpdateRefusedError
+from wavecore.engine.core.rank_profiler import RankProfiler
+from wavecore.engine.errors import EngineError, ProfilerStateError, WeightUpdateRefusedError
 from wavecore.engine.executors.rpc import remote_method
 from wavecore.engine.executors.rpc_values import decode_values, encode_values
 from wavecore.engine.weight_chunks import ChunkAssembler, assemble
 from wavecore.engine.weight_messages import (
     COMMIT,
     DISCARD,
+    PROFILE_START,
+    SAVE,
     SET_VERSION,
     STAGE,
+    ProfileCall,
     RankReply,
     RpcCall,
     WeightChunk,
@@ -52,21 +61,28 @@ class RankCalls:
         rank: int,
         model_thread: ModelThread,
         state: Callable[[], RankSnapshot],
+        member: int = 0,
     ) -> None:
         self._core = core
         self._rank = rank
+        self._member = member
+        self._profiler = RankProfiler()
         self._thread = model_thread
         self._state = state
         self._chunks = ChunkAssembler()
         self._staged: tuple[int, object] | None = None
 
-    async def handle(self, item: WeightChunk | WeightsCall | RpcCall) -> RankReply | None:
+    async def handle(
+        self, item: WeightChunk | WeightsCall | RpcCall | ProfileCall
+    ) -> RankReply | None:
         """Perform one call; the reply to send, None for chunks and discards."""
         if isinstance(item, WeightChunk):
             self._chunks.take(item)
             return None
         if isinstance(item, RpcCall):
             return await self._rpc(item)
+        if isinstance(item, ProfileCall):
+            return await self._profile(item)
         if item.action == STAGE:
             return await self._stage(item)
         if item.action == COMMIT:
@@ -79,6 +95,8 @@ class RankCalls:
         if item.action == SET_VERSION:
             self._core.weight_version = item.version
             return self._reply(item.call_id)
+        if item.action == SAVE:
+            return await self._save(item)
         return self._reply(item.call_id, error=f"unknown weights action {item.action!r}")
 
     # -- weight updates ----------------------------------------------------------------
@@ -129,6 +147,47 @@ class RankCalls:
         # Cached prefixes and the KV of kept requests came from the old weights.
         self._core.drop_kv_cache()
         return self._reply(call.call_id)
+
+    async def _save(self, call: WeightsCall) -> RankReply:
+        if "weights" in self._state().asleep:
+            return self._reply(
+                call.call_id,
+                error="the weights are asleep: call wake_up(['weights']) before save_weights",
+                refused=True,
+            )
+        save = getattr(self._core.executor, "save_weights", None)
+        if save is None or call.path is None or call.max_shard_size is None:
+            return self._reply(
+                call.call_id,
+                error=f"{type(self._core.executor).__name__} cannot save its weights",
+                refused=True,
+            )
+        path, limit, version = call.path, call.max_shard_size, self._core.weight_version
+        try:
+            await self._thread.run(lambda: save(path, max_shard_size=limit, weight_version=version))
+        except WeightUpdateRefusedError as error:
+            return self._reply(call.call_id, error=str(error), refused=True)
+        except EngineError as error:
+            return self._reply(call.call_id, error=str(error))
+        except Exception as error:  # e.g. a full disk: say what
+            return self._reply(call.call_id, error=f"{type(error).__name__}: {error}")
+        return self._reply(call.call_id)
+
+    # -- the profiler ------------------------------------------------------------------
+
+    async def _profile(self, call: ProfileCall) -> RankReply:
+        profiler, rank, member = self._profiler, self._rank, self._member
+        try:
+            if call.action == PROFILE_START and call.directory is not None:
+                directory = call.directory
+                await self._thread.run(lambda: profiler.start(directory, rank=rank, member=member))
+                return self._reply(call.call_id)
+            trace = await self._thread.run(profiler.stop)
+        except ProfilerStateError as error:
+            return self._reply(call.call_id, error=str(error), refused=True)
+        except Exception as error:  # e.g. an unwritable directory: say what
+            return self._reply(call.call_id, error=f"{type(error).__name__}: {error}")
+        return self._reply(call.call_id, result=encode_values(trace, "the trace's path"))
 
     # -- collective RPC ----------------------------------------------------------------
 

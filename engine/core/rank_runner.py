@@ -34,10 +34,17 @@ Theory of operation:
    here (structured output); the forward's sampling waits for it. A rank whose only
    schedulable work waits for grammars to compile waits for the next compile to end
    or the next input, whichever comes first, instead of spinning.
+10. A step whose forward or sampling raised fails the rank with a dump of the step
+   (`core.step_failure`): its index, the wave, its requests and their token counts,
+   in the `RankFailed` and logged once here.
+11. With `log_iteration_details` each forward (a step, or a dummy batch) is recorded
+   once its update is applied (`core.iteration_details`); the details go out with the
+   rank's outputs, held while it has none until it waits for input.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from collections.abc import Callable
@@ -52,9 +59,11 @@ from wavecore.engine import messages as m
 from wavecore.engine.core.batch_queue import BatchQueue
 from wavecore.engine.core.core_effects import COUNTERS, CoreEffects
 from wavecore.engine.core.engine_core import EngineCore
+from wavecore.engine.core.iteration_details import IterationRecorder
 from wavecore.engine.core.model_thread import ModelThread, loop_call_soon
 from wavecore.engine.core.rank_calls import RankCalls
 from wavecore.engine.core.rank_inputs import BadCall, loop_input_of
+from wavecore.engine.core.step_failure import StepFailed
 from wavecore.engine.errors import InvalidRequestError
 from wavecore.engine.executors.batch import EXECUTOR_TAGS
 from wavecore.engine.interface import RankCounters, RankStats
@@ -80,6 +89,8 @@ from wavecore.statemachines import (
     SyncDone,
     WaitForInput,
 )
+
+_log = logging.getLogger(__name__)
 
 # How long a rank waits for its broken group's connections to close.
 _ABORT_BOUND_S = 1.0
@@ -158,6 +169,11 @@ class RankRunner:
         self._on_invalid = on_invalid
         self.counts = dict.fromkeys(COUNTERS, 0)
         self._effects = CoreEffects(core, self.rank, self.counts, self.stats, self._start_vote)
+        self._iterations = (
+            IterationRecorder(self._effects.record_iteration)
+            if core.log_iteration_details
+            else None
+        )
         self._queue = (
             BatchQueue(
                 core=core,
@@ -165,6 +181,7 @@ class RankRunner:
                 loop=self.loop,
                 counts=self.counts,
                 emit=self._effects.emit,
+                on_step=None if self._iterations is None else self._iterations.step,
             )
             if core.async_scheduling
             else None
@@ -182,8 +199,10 @@ class RankRunner:
         # Groups that broke: kept, never destroyed, since tearing one down may wait for
         # a collective that a stuck peer never finishes.
         self._broken_groups: list[DPGroupHandle] = []
-        # Weight updates and collective RPC, answered outside the machine.
-        self._calls = RankCalls(core, self.rank, model_thread, self.loop.machine.snapshot)
+        # Weight updates, collective RPC and the profiler, answered outside the machine.
+        self._calls = RankCalls(
+            core, self.rank, model_thread, self.loop.machine.snapshot, member=member
+        )
         # Set (from the event loop) when a grammar compile ends: rule 9.
         self._grammar_event: anyio.Event | None = None
 
@@ -205,10 +224,16 @@ class RankRunner:
                     await self._leave_group(error)
         except Exception as error:
             cause = error.__cause__ if isinstance(error, CollectiveFailed) else error
-            detail = f"{type(cause).__name__}: {cause}"
+            if isinstance(cause, StepFailed):  # rule 10
+                detail = cause.dump(wave=self.loop.machine.wave)
+            else:
+                detail = f"{type(cause).__name__}: {cause}"
+            message = f"rank {self.rank} (pid {os.getpid()}) failed: {detail}"
+            if isinstance(cause, StepFailed):
+                _log.error("%s", message, exc_info=cause)
             failure = m.RankFailed(
                 rank=self.rank,
-                error=f"rank {self.rank} (pid {os.getpid()}) failed: {detail}",
+                error=message,
                 in_collective=isinstance(error, CollectiveFailed),
                 member=self._member,
             )
@@ -275,7 +300,7 @@ class RankRunner:
                 item = self._next_input(inbox)
                 if item is None and isinstance(pending, WaitForInput):
                     await self._drain(inbox)
-                    await self._flush()
+                    await self._flush(idle=True)
                     item = await inbox.receive()
                 if isinstance(item, Shutdown):
                     await self._drain(inbox)  # no forward outlives the runner
@@ -299,8 +324,11 @@ class RankRunner:
             await self._drain(inbox)
             await self._flush()
             if isinstance(pending, RunDummy):
-                await self._thread.run(self.core.executor.execute_dummy)
+                dummy = self._thread.start(self.core.executor.execute_dummy)
+                await dummy.wait()
                 self.counts["dummy_steps"] += 1
+                if self._iterations is not None:
+                    self._iterations.dummy(dummy.elapsed_s)
                 loop.complete(None, self._effects)
             elif isinstance(pending, Collective):
                 loop.complete(await self._collective(pending.action), self._effects)
@@ -366,6 +394,8 @@ class RankRunner:
             self._take_waiting_aborts(inbox)
             self._effects.emit(core.update(step, output))
             self.counts["real_steps"] += 1
+            if self._iterations is not None:
+                self._iterations.step(step, job.elapsed_s)
         return StepDone(
             executed=step is not None,
             has_unfinished=core.has_unfinished(),
@@ -522,9 +552,9 @@ class RankRunner:
 
     # -- outputs -----------------------------------------------------------------------
 
-    async def _flush(self) -> None:
+    async def _flush(self, *, idle: bool = False) -> None:
         effects = self._effects
-        for message in effects.take_outputs():
+        for message in effects.take_outputs(idle=idle):
             await self._outputs.send(message)
         notices = effects.take_notices()
         if self._coordinator is not None:

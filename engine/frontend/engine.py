@@ -44,6 +44,7 @@ from wavecore.engine.errors import (
     EngineError,
     InvalidRequestError,
     PauseInProgressError,
+    ProfilerStateError,
     RankCallError,
     ScalingInProgressError,
     ScalingRefusedError,
@@ -60,10 +61,16 @@ from wavecore.engine.frontend.call_checks import (
 )
 from wavecore.engine.frontend.core_client import CoreClient
 from wavecore.engine.frontend.input_processor import InputProcessor
+from wavecore.engine.frontend.iteration_stats import IterationStats
 from wavecore.engine.frontend.load_balancer import LoadBalancer
 from wavecore.engine.frontend.request_stream import RequestStream
 from wavecore.engine.frontend.weight_calls import WeightCalls
-from wavecore.engine.interface import EngineStats, PauseModeName, RankStats
+from wavecore.engine.interface import (
+    DEFAULT_SHARD_SIZE,
+    EngineStats,
+    PauseModeName,
+    RankStats,
+)
 from wavecore.engine.outputs import CompletionDelta
 from wavecore.engine.request import Prompt
 from wavecore.engine.sampling_params import SamplingParams
@@ -138,6 +145,8 @@ class FrontEnd:
         self._held: dict[str, str] = {}
         # Structured-output requests accepted, per kind (`EngineStats`, /metrics).
         self._structured_requests: Counter[str] = Counter()
+        # The ranks' iteration details (`log_iteration_details`), logged and counted.
+        self._iterations = IterationStats()
         self._calls: dict[int, _Call] = {}
         self._call_ids = itertools.count()
         self._outbox: deque[tuple[int, Any]] = deque()
@@ -158,6 +167,8 @@ class FrontEnd:
         self._paused = False
         self._asleep: frozenset[str] = frozenset()
         self._scaling = False
+        # Whether the ranks run the torch profiler (`start_profile`).
+        self._profiling = False
         # A level-2 sleep dropped the weights: they come back from the model file.
         self._weights_dropped = False
         self._dead: EngineDeadError | None = None
@@ -360,6 +371,7 @@ class FrontEnd:
             held=dict(self._held),
             requests_per_rank=tuple(self._requests_per_rank),
             structured_requests=dict(self._structured_requests),
+            iterations=self._iterations.snapshot(),
         )
 
     # -- weights ---------------------------------------------------------------------
@@ -402,6 +414,64 @@ class FrontEnd:
         self._check_not_scaling("set_weight_version")
         await self._weights.set_weight_version(range(self._dp_size), version)
 
+    async def save_weights(
+        self, directory: str | os.PathLike[str], *, max_shard_size: int = DEFAULT_SHARD_SIZE
+    ) -> None:
+        """See `interface.Engine.save_weights`: the first rank writes (`WeightCalls`)."""
+        self._check_open()
+        if not isinstance(directory, str | os.PathLike):
+            raise InvalidRequestError(
+                f"save_weights takes a directory path, got a {type(directory).__name__}"
+            )
+        if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int):
+            raise InvalidRequestError(f"max_shard_size must be an int, got {max_shard_size!r}")
+        if max_shard_size < 1:
+            raise InvalidRequestError(f"max_shard_size must be positive, got {max_shard_size}")
+        self._check_not_scaling("save_weights")
+        self._check_not_updating("save_weights")
+        if "weights" in self._asleep:
+            raise WeightUpdateRefusedError(
+                "the weights are asleep: call wake_up(['weights']) before save_weights"
+            )
+        await self._weights.save_weights(0, directory, max_shard_size=max_shard_size)
+
+    async def start_profile(self, directory: str | os.PathLike[str]) -> None:
+        """See `interface.Engine.start_profile`."""
+        self._check_open()
+        if not isinstance(directory, str | os.PathLike):
+            raise InvalidRequestError(
+                f"start_profile takes a directory path, got a {type(directory).__name__}"
+            )
+        self._check_not_scaling("start_profile")
+        if self._profiling:
+            raise ProfilerStateError("the profiler already runs: call stop_profile first")
+        self._profiling = True
+        try:
+            await self._weights.profile(range(self._dp_size), "start", directory)
+        except BaseException:
+            # The ranks that did start must not keep profiling.
+            with anyio.CancelScope(shield=True):
+                await self._stop_profile_quietly()
+            raise
+
+    async def _stop_profile_quietly(self) -> None:
+        try:
+            await self._weights.profile(range(self._dp_size), "stop", None)
+        except EngineError:
+            pass  # the ranks that never started refuse, which is all this says
+        finally:
+            self._profiling = False
+
+    async def stop_profile(self) -> list[str]:
+        """See `interface.Engine.stop_profile`."""
+        self._check_open()
+        if not self._profiling:
+            raise ProfilerStateError("the profiler is not running: call start_profile first")
+        try:
+            return await self._weights.profile(range(self._dp_size), "stop", None)
+        finally:
+            self._profiling = False
+
     async def collective_rpc(
         self,
         method: str,
@@ -438,6 +508,8 @@ class FrontEnd:
             )
         if new_dp_size == self._dp_size:
             return
+        if self._profiling:
+            raise ScalingRefusedError("the profiler runs: call stop_profile before scaling")
         if self._weights.updated:
             raise ScalingRefusedError(
                 "the ranks serve weights given to update_weights (version "
@@ -643,6 +715,8 @@ class FrontEnd:
         self._outbox_ready.set()
 
     def _on_step_outputs(self, message: m.StepOutputs) -> None:
+        if message.iterations:
+            self._iterations.add(message.rank, message.iterations)
         logprobs = {entry.request_id: entry.entries for entry in message.logprobs}
         finished = message.finished
         errors = message.errors

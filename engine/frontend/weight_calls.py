@@ -12,7 +12,12 @@ Theory of operation:
 2. Every rank's replies arrive in order with its `StepOutputs`, so the version a rank
    serves changes here exactly between the outputs of the old weights and those of
    the new: `version_of(rank)` is what stamps each delta.
-3. `collective_rpc` sends one `RpcCall` to every rank and returns the results in rank
+3. `save_weights` asks the first rank to write the weights it serves (every rank
+   serves the same: an update commits on all or none) into a directory of this
+   machine's file system; it holds the update lock, so no update starts meanwhile.
+4. `profile` starts or stops the torch profiler on every rank; a stop returns each
+   rank's trace file.
+5. `collective_rpc` sends one `RpcCall` to every rank and returns the results in rank
    order; a rank that fails or does not answer within `timeout` is named.
 """
 
@@ -28,6 +33,7 @@ import anyio
 from wavecore.engine.errors import (
     CollectiveRpcError,
     EngineError,
+    ProfilerStateError,
     RankCallError,
     WeightUpdateError,
     WeightUpdateRefusedError,
@@ -37,8 +43,11 @@ from wavecore.engine.weight_chunks import flat_tensors, tensor_chunks
 from wavecore.engine.weight_messages import (
     COMMIT,
     DISCARD,
+    PROFILE_START,
+    SAVE,
     SET_VERSION,
     STAGE,
+    ProfileCall,
     RankReply,
     RpcCall,
     WeightChunk,
@@ -166,6 +175,43 @@ class WeightCalls:
         _raise_errors(replies, RankCallError, "set_weight_version")
         self.version = version
 
+    async def save_weights(
+        self, rank: int, directory: str | os.PathLike[str], *, max_shard_size: int
+    ) -> None:
+        path = _local_path(directory)
+        async with self._update_lock:
+            call_id = next(self._call_ids)
+            message = WeightsCall(
+                call_id=call_id, action=SAVE, path=path, max_shard_size=max_shard_size
+            )
+            replies = await self._call([rank], message, call_id=call_id)
+        failed = replies[rank]
+        if failed.error is not None:
+            kind = WeightUpdateRefusedError if failed.refused else WeightUpdateError
+            raise kind(f"save_weights failed (rank {rank}: {failed.error})")
+
+    async def profile(
+        self, ranks: Sequence[int], action: str, directory: str | os.PathLike[str] | None
+    ) -> list[str]:
+        """Start (`directory` given) or stop the profiler on `ranks`; a stop's result is
+        each rank's trace file, in rank order."""
+        path = None if directory is None else _local_path(directory)
+        call_id = next(self._call_ids)
+        message = ProfileCall(call_id=call_id, action=action, directory=path)
+        replies = await self._call(ranks, message, call_id=call_id)
+        failed = {rank: reply for rank, reply in sorted(replies.items()) if reply.error}
+        if failed:
+            detail = "; ".join(f"rank {rank}: {reply.error}" for rank, reply in failed.items())
+            kind = (
+                ProfilerStateError
+                if all(reply.refused for reply in failed.values())
+                else RankCallError
+            )
+            raise kind(f"{action}_profile failed ({detail})")
+        if action == PROFILE_START:
+            return []
+        return [_result(f"{action}_profile", replies[rank]) for rank in ranks]
+
     async def reloaded(self, ranks: Sequence[int]) -> None:
         """The ranks are about to reload the model file's weights (a level-2 wake)."""
         await self.set_weight_version(ranks, None)
@@ -201,7 +247,8 @@ class WeightCalls:
     ) -> dict[int, RankReply]:
         pending = _Pending(
             waiting_for=set(ranks),
-            sets_version=isinstance(message, WeightsCall) and message.action != STAGE,
+            sets_version=isinstance(message, WeightsCall)
+            and message.action in (COMMIT, SET_VERSION),
             version=version,
         )
         self._pending[call_id] = pending
@@ -259,10 +306,15 @@ def _raise_errors(replies: dict[int, RankReply], kind: type[Exception], what: st
 ChunkSource = Callable[[int], Iterator[WeightChunk]]
 
 
+def _local_path(path: str | os.PathLike[str]) -> str:
+    """A path as the ranks read it: absolute, on this machine's file system."""
+    return os.path.abspath(os.path.expanduser(os.fspath(path)))
+
+
 def _prepared(source: object, max_chunk_bytes: int | None) -> tuple[str | None, ChunkSource]:
     """The path to send, or the chunks of a mapping (checked before anything is sent)."""
     if isinstance(source, str | os.PathLike):
-        return os.path.abspath(os.path.expanduser(os.fspath(source))), lambda _: iter(())
+        return _local_path(source), lambda _: iter(())
     if not isinstance(source, Mapping):
         raise WeightUpdateError(
             "update_weights takes a safetensors or GGUF file, a directory of safetensors "

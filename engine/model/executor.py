@@ -23,7 +23,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from wavecore.engine.errors import WeightUpdateRefusedError
+from wavecore.engine.errors import WeightUpdateError, WeightUpdateRefusedError
 from wavecore.engine.executors.batch import (
     EXECUTOR_TAGS,
     ExecutorMemory,
@@ -388,6 +388,35 @@ class ModelExecutor:
                 device=self._device,
                 dtype=self._dtype,
             )
+
+    def save_weights(
+        self, directory: str, *, max_shard_size: int, weight_version: str | None
+    ) -> None:
+        """Write the served weights as a Hugging Face directory (`weight_export`)."""
+        from pathlib import Path
+
+        from wavecore.engine.model.weight_export import served_tensors, write_model_directory
+
+        self._check_open()
+        if self._model is None:
+            raise WeightUpdateRefusedError(
+                "the weights are asleep: call wake_up(['weights']) before save_weights"
+            )
+        weights = self._model.weights
+        if weights.rope_freqs is not None:
+            raise WeightUpdateError(
+                f"save_weights: {self._source.path} scales rope by a rope_freqs tensor, "
+                "which a Hugging Face directory cannot hold"
+            )
+        with torch.inference_mode():
+            tensors = served_tensors(weights, self.config, device=self._device, dtype=self._dtype)
+        write_model_directory(
+            Path(directory),
+            tensors,
+            self._source,
+            max_shard_size=max_shard_size,
+            weight_version=weight_version,
+        )
 
     def commit_weights(self, staged: object) -> None:
         if not isinstance(staged, ModelWeights):

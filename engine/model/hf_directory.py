@@ -176,3 +176,18 @@ def canonical_tensor_name(hf_name: str) -> str | None:
         if index.isdigit() and rest in _LAYER_TENSORS:
             return f"layers.{int(index)}.{_LAYER_TENSORS[rest]}"
     return None
+
+
+_HF_MODEL_NAMES = {canonical: hf for hf, canonical in _MODEL_TENSORS.items()}
+_HF_LAYER_NAMES = {canonical: hf for hf, canonical in _LAYER_TENSORS.items()}
+
+
+def hf_tensor_name(name: str) -> str:
+    """The Hugging Face name of a canonical tensor name (`canonical_tensor_name`'s
+    inverse); `KeyError` for a name no Hugging Face checkpoint holds."""
+    if name in _HF_MODEL_NAMES:
+        return _HF_MODEL_NAMES[name]
+    _, index, rest = name.split(".", 2) if name.startswith("layers.") else ("", "", name)
+    if not index.isdigit() or rest not in _HF_LAYER_NAMES:
+        raise KeyError(f"no Hugging Face name for tensor {name!r}")
+    return f"model.layers.{index}.{_HF_LAYER_NAMES[rest]}"

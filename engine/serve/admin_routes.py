@@ -1,5 +1,7 @@
 """The admin routes (`--enable-admin-api`), as upstream's development endpoints: pause,
-resume, sleep, wake_up, reset_prefix_cache, scale, is_paused, is_sleeping, stats.
+resume, sleep, wake_up, reset_prefix_cache, scale, is_paused, is_sleeping, stats,
+start_profile and stop_profile (the traces go into `?directory=`, else the directory
+that `WAVECORE_TORCH_PROFILER_DIR` names, as upstream's `VLLM_TORCH_PROFILER_DIR`).
 
 Each is one engine call; its arguments come from the query string (`/sleep?level=1`),
 `/scale` from a JSON body. The engine refuses what its state does not allow, and that
@@ -9,6 +11,7 @@ refusal is the response (409), so the server keeps no protocol state of its own.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,6 +26,7 @@ from wavecore.engine.serve.errors import bad_field
 from wavecore.engine.serve.state import ServerState
 
 AdminCall = Callable[[Engine, Request], Awaitable[dict[str, Any]]]
+PROFILER_DIR_ENV = "WAVECORE_TORCH_PROFILER_DIR"
 
 
 async def _pause(engine: Engine, request: Request) -> dict[str, Any]:
@@ -71,6 +75,20 @@ async def _stats(engine: Engine, request: Request) -> dict[str, Any]:
     described["paused"] = stats.paused
     described["asleep"] = list(stats.asleep)
     return described
+
+
+async def _start_profile(engine: Engine, request: Request) -> dict[str, Any]:
+    directory = request.query_params.get("directory") or os.environ.get(PROFILER_DIR_ENV)
+    if not directory:
+        raise bad_field(
+            "directory", f"give the traces' directory, or set {PROFILER_DIR_ENV} for the server"
+        )
+    await engine.start_profile(directory)
+    return {}
+
+
+async def _stop_profile(engine: Engine, request: Request) -> dict[str, Any]:
+    return {"traces": await engine.stop_profile()}
 
 
 def _scale_call(limit: int) -> AdminCall:
@@ -124,6 +142,8 @@ def admin_routes(state: ServerState) -> list[Route]:
         route("/sleep", _sleep, "POST"),
         route("/wake_up", _wake_up, "POST"),
         route("/reset_prefix_cache", _reset_prefix_cache, "POST"),
+        route("/start_profile", _start_profile, "POST"),
+        route("/stop_profile", _stop_profile, "POST"),
         route("/scale", _scale_call(state.options.max_request_bytes), "POST"),
         route("/is_paused", _is_paused, "GET"),
         route("/is_sleeping", _is_sleeping, "GET"),

@@ -11,10 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from wavecore.engine.interface import EngineStats
+from wavecore.engine.interface import (
+    STEP_MS_BUCKETS,
+    STEP_TOKENS_BUCKETS,
+    EngineStats,
+    RankIterations,
+)
 
 # Upstream's buckets, so dashboards built for it read these alike.
 _TTFT_BUCKETS = (
@@ -107,6 +112,60 @@ class _EngineCounters(Collector):
         yield compiles
         yield compile_seconds
         yield structured
+        yield from self._iterations(stats)
+
+    def _iterations(self, stats: EngineStats | None) -> Iterator[Metric]:
+        """The ranks' iteration details (`--log-iteration-details`), counted by the
+        front end as they arrive: nothing without them."""
+        if stats is None or not stats.iterations:
+            return
+        labels = ["model_name", "engine"]
+        step_time = HistogramMetricFamily(
+            "wavecore:iteration_time_seconds",
+            "Time of one forward and its sampling on a rank (dummy batches included).",
+            labels=labels,
+        )
+        step_tokens = HistogramMetricFamily(
+            "wavecore:iteration_tokens",
+            "Tokens one forward ran on a rank (context and generation; no dummy batch).",
+            labels=labels,
+        )
+        dummies = CounterMetricFamily(
+            "wavecore:iteration_dummy_steps",
+            "Dummy batches a lockstep rank ran while its peers had work.",
+            labels=labels,
+        )
+        for rank in stats.iterations:
+            rank_labels = [self._model, str(rank.rank)]
+            seconds = tuple(bound / 1e3 for bound in STEP_MS_BUCKETS)
+            step_time.add_metric(
+                rank_labels,
+                _cumulative(seconds, rank.ms_buckets),
+                sum_value=rank.elapsed_ms / 1e3,
+            )
+            step_tokens.add_metric(
+                rank_labels,
+                _cumulative(STEP_TOKENS_BUCKETS, rank.tokens_buckets),
+                sum_value=_tokens(rank),
+            )
+            dummies.add_metric(rank_labels, rank.dummy_steps)
+        yield step_time
+        yield step_tokens
+        yield dummies
+
+
+def _cumulative(bounds: tuple[float, ...], counts: tuple[int, ...]) -> list[tuple[str, float]]:
+    """Prometheus's buckets: cumulative counts per upper bound, then +Inf."""
+    buckets = []
+    total = 0
+    for bound, count in zip((*map(str, bounds), "+Inf"), counts, strict=True):
+        total += count
+        buckets.append((bound, total))
+    return buckets
+
+
+def _tokens(rank: RankIterations) -> float:
+    return rank.context_tokens + rank.generation_tokens
 
 
 class _DroppedFrames(Collector):

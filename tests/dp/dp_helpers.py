@@ -4,6 +4,7 @@ that fail on purpose (module-level so that spawned rank processes can unpickle t
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -68,8 +69,14 @@ def tokens_of(deltas: list[Any]) -> list[int]:
     return [token for delta in deltas for token in delta.token_ids]
 
 
+# "explode-at-3" fails the forward of the step where that request has 3 output tokens,
+# "explode-sampling-at-3" that step's sampling; any other "explode" request fails the
+# forward of its first step.
+_EXPLODE_AT = re.compile(r"explode(-sampling)?-at-(\d+)$")
+
+
 class _ExplodingExecutor:
-    """Delegates to the null executor, but fails any batch holding an "explode" request."""
+    """Delegates to the null executor, but fails the steps "explode" requests choose."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -78,9 +85,27 @@ class _ExplodingExecutor:
         return getattr(self._inner, name)
 
     def execute_model(self, batch: ModelBatch) -> object:
-        if any(chunk.request_id.startswith("explode") for chunk in batch.chunks):
+        if _explodes(batch, "forward"):
             raise RuntimeError("injected failure in the model step")
         return self._inner.execute_model(batch)
+
+    def sample_tokens(self, forward: Any, bitmask: Any) -> Any:
+        if _explodes(forward, "sampling"):  # the null executor's forward is its batch
+            raise RuntimeError("injected failure in the sampling")
+        return self._inner.sample_tokens(forward, bitmask)
+
+
+def _explodes(batch: ModelBatch, phase: str) -> bool:
+    for chunk in batch.chunks:
+        if not chunk.request_id.startswith("explode"):
+            continue
+        chosen = _EXPLODE_AT.match(chunk.request_id)
+        if chosen is None:
+            return phase == "forward"
+        sampling, tokens = chosen.groups()
+        if (phase == "sampling") == bool(sampling) and chunk.num_output_tokens == int(tokens):
+            return True
+    return False
 
 
 def build_exploding_core(config: EngineConfig) -> EngineCore:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import signal
 
 import anyio
@@ -23,9 +24,11 @@ from dp_helpers import (
     wiring_of,
 )
 
-from wavecore.engine.api import Engine, open_dp_engine
+from wavecore.engine.api import Engine, open_dp_engine, open_engine_core
+from wavecore.engine.core.step_failure import StepFailed
 from wavecore.engine.dp.launcher import ConfigMismatchError, DPStartupError
 from wavecore.engine.errors import EngineDeadError
+from wavecore.engine.request import EngineRequest
 from wavecore.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.anyio
@@ -140,3 +143,71 @@ async def test_cancelling_the_block_shuts_everything_down() -> None:
                 scope.cancel()
     assert scope.cancelled_caught
     assert_all_reaped(engine)
+
+
+def _step_dump(rank: int, phase: str, step: int, wave: int, scheduled: str) -> re.Pattern[str]:
+    """The dump a rank's failed step must give (`core.step_failure`), the pid aside."""
+    return re.compile(
+        rf"rank {rank} \(pid \d+\) failed: the {phase} of step {step} \(wave {wave}\) "
+        rf"failed with RuntimeError: injected failure in the {_INJECTED[phase]}; "
+        rf"it scheduled {re.escape(scheduled)}$"
+    )
+
+
+_INJECTED = {"forward": "model step", "sampling": "sampling"}
+
+
+@pytest.mark.parametrize(
+    ("phase", "async_scheduling"),
+    [("forward", False), ("sampling", False), ("forward", True), ("sampling", True)],
+)
+async def test_a_failed_step_at_dp_1_names_its_rank_step_wave_and_requests(
+    phase: str, async_scheduling: bool, caplog
+) -> None:
+    caplog.set_level(logging.ERROR, logger="wavecore.engine.core")
+    config = null_config(dp_size=1, async_scheduling=async_scheduling)
+    chosen = "explode-at-3" if phase == "forward" else "explode-sampling-at-3"
+    with anyio.fail_after(HANG_GUARD):
+        async with open_engine_core(lambda: build_exploding_core(config)) as engine:
+            wave = (await engine.stats()).ranks[0].counters.wave
+            with pytest.raises(EngineDeadError) as failure:
+                # A lone request's step 3 is its fourth: the prefill, then decodes that
+                # find 1, 2 and 3 output tokens.
+                await collect(engine, "boom", SamplingParams(max_tokens=8), request_id=chosen)
+    dump = _step_dump(0, phase, 3, wave, f"1 request, 1 token: {chosen} (1 decode)")
+    assert dump.search(str(failure.value))
+    logged = [r for r in caplog.records if dump.search(r.getMessage())]
+    assert len(logged) == 1
+    assert logged[0].exc_info is not None  # with the executor's traceback
+
+
+async def test_a_failed_step_at_dp_2_names_its_rank_step_wave_and_requests() -> None:
+    chosen = "explode-sampling-at-3"
+    with anyio.fail_after(HANG_GUARD):
+        async with open_dp_engine(null_config(), build_core=build_exploding_core) as engine:
+            wave = (await engine.stats()).ranks[1].counters.wave
+            with pytest.raises(EngineDeadError) as failure:
+                await collect(engine, "boom", SamplingParams(), request_id=chosen, dp_rank=1)
+    dump = _step_dump(1, "sampling", 3, wave, f"1 request, 1 token: {chosen} (1 decode)")
+    assert dump.search(str(failure.value))
+    assert_all_reaped(engine)
+
+
+def test_the_dump_names_every_scheduled_request_with_its_tokens() -> None:
+    core = build_exploding_core(null_config(dp_size=1))
+    for request_id, prompt in (("calm", b"abcdef"), ("explode-at-0", b"xyz")):
+        core.add_request(
+            EngineRequest(
+                request_id=request_id,
+                prompt_token_ids=tuple(prompt),
+                params=SamplingParams(max_tokens=4),
+            )
+        )
+    with pytest.raises(StepFailed) as failure:
+        core.step()
+    dump = failure.value.dump(wave=7)
+    assert dump == (
+        "the forward of step 0 (wave 7) failed with RuntimeError: injected failure in the "
+        "model step; it scheduled 2 requests, 9 tokens: calm (6 prefill), explode-at-0 "
+        "(3 prefill)"
+    )

@@ -372,12 +372,14 @@ def test_flags_every_rank_shares_reach_the_engine_configuration(command: str) ->
     from wavecore.engine.cli.main import _engine_config
 
     rank_args = ["--dp-rank", "0", "--dp-size", "2", "--master", "h:1"] if command == "rank" else []
-    shared = ["--on-rank-failure", "shrink", "--async-scheduling"]
+    shared = ["--on-rank-failure", "shrink", "--async-scheduling", "--log-iteration-details"]
     args = build_parser().parse_args([command, *rank_args, "--executor", "null", *shared])
     config = _engine_config(args)
     assert (config.on_rank_failure, config.async_scheduling) == ("shrink", True)
+    assert config.log_iteration_details
     default = _engine_config(build_parser().parse_args([command, *rank_args]))
     assert (default.on_rank_failure, default.async_scheduling) == ("fail", False)
+    assert not default.log_iteration_details
 
 
 def test_structured_output_flags_and_per_line_specs(

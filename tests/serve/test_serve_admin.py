@@ -4,7 +4,9 @@ aborts its request, and the Prometheus metrics moving with the requests served."
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
 import httpx
@@ -162,3 +164,25 @@ async def test_prefix_cache_counters_count_a_repeated_prompt(http: httpx.AsyncCl
     queried = moved("wavecore:prefix_cache_queries_total")
     hits = moved("wavecore:prefix_cache_hits_total")
     assert queried >= 2 * len(prompt) - 2 and 0 < hits <= queried / 2
+
+
+async def test_profile_routes(http: httpx.AsyncClient, tmp_path: Path) -> None:
+    error_of(await http.post("/start_profile"), 400)  # no directory, no environment
+    assert error_of(await http.post("/stop_profile"), 409)["type"] == "conflict_error"
+    started = await http.post("/start_profile", params={"directory": str(tmp_path)})
+    assert started.status_code == 200, started.text
+    assert "already runs" in str(
+        error_of(await http.post("/start_profile", params={"directory": str(tmp_path)}), 409)[
+            "message"
+        ]
+    )
+    assert (await http.post("/v1/completions", json=COMPLETION)).status_code == 200
+    stopped = await http.post("/stop_profile")
+    assert stopped.status_code == 200, stopped.text
+    (trace,) = stopped.json()["traces"]
+    assert Path(trace).parent == tmp_path
+    assert trace_events(trace)
+
+
+def trace_events(path: str) -> list[object]:
+    return json.loads(Path(path).read_text())["traceEvents"]

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_helpers import EXIT_GUARD, NULL_FLAGS, ServerProcess
 
-DP_FLAGS = (*NULL_FLAGS, "--dp", "2", "--enable-admin-api")
+DP_FLAGS = (*NULL_FLAGS, "--dp", "2", "--enable-admin-api", "--log-iteration-details")
 
 
 def children(pid: int) -> set[int]:
@@ -52,6 +52,22 @@ def test_two_ranks_serve_and_report_metrics_per_rank(dp_server: ServerProcess) -
         families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
         ranks = {s.labels["engine"] for s in families["wavecore:num_requests_running"].samples}
         assert ranks == {"0", "1"}
+        # --log-iteration-details: each rank's forwards, as histograms per rank.
+        tokens = {
+            s.labels["engine"]: s.value
+            for s in families["wavecore:iteration_tokens"].samples
+            if s.name.endswith("_count")
+        }
+        times = {
+            s.labels["engine"]: s.value
+            for s in families["wavecore:iteration_time_seconds"].samples
+            if s.name.endswith("_count")
+        }
+        dummies = {
+            s.labels["engine"]: s.value for s in families["wavecore:iteration_dummy_steps"].samples
+        }
+        assert tokens.keys() == times.keys() == dummies.keys() == {"0", "1"}
+        assert all(times[rank] == tokens[rank] + dummies[rank] > 0 for rank in tokens)
 
 
 def listening_path(pid: int, name: str) -> str:

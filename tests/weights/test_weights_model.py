@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -203,3 +204,34 @@ async def test_sleep_update_wake_equals_fresh_b(
         await engine.wake_up(["kv_cache", "scheduling"])
         assert (await engine.stats()).ranks[0].core.kv_cache_bytes == awake.kv_cache_bytes
         assert await greedy(engine, PROMPT) == await greedy(engine_b, PROMPT)
+
+
+async def test_saved_weights_load_as_the_updated_model(
+    serving_a: Engine, update_b: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """Update to B, save, and a fresh engine from the saved directory (and an update
+    from it) serves what the updated engine serves."""
+    from wavecore.engine.model import default_model_path
+
+    engine = serving_a
+    saved = tmp_path / "saved"
+    with anyio.fail_after(HANG_GUARD):
+        await engine.pause("keep")
+        await engine.update_weights(update_b, version="B", partial=True)
+        await engine.resume()
+        tokens_b = await greedy(engine, PROMPT)
+        # Small shards: the embedding alone is larger, so several files and an index.
+        await engine.save_weights(saved, max_shard_size=64 * 2**20)
+        async with open_engine(dataclasses.replace(CONFIG, model=str(saved))) as fresh:
+            assert await greedy(fresh, PROMPT) == tokens_b
+        await engine.pause("keep")
+        await engine.update_weights(default_model_path(), version="A")
+        await engine.update_weights(saved, version="B again")
+        await engine.resume()
+        assert await greedy(engine, PROMPT) == tokens_b
+    index = json.loads((saved / "model.safetensors.index.json").read_text())
+    shards = sorted(saved.glob("*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == {s.name for s in shards}
+    assert json.loads((saved / "wavecore_weights.json").read_text()) == {"weight_version": "B"}
+    with anyio.fail_after(HANG_GUARD), pytest.raises(WeightUpdateError, match="already holds"):
+        await engine.save_weights(saved)

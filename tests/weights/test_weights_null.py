@@ -278,7 +278,9 @@ async def test_level_2_sleep_reloads_the_loaded_weights(fresh: Engine) -> None:
         await assert_serving(engine, 0, None)
 
 
-async def test_no_resume_sleep_or_wake_while_an_update_runs(fresh: Engine) -> None:
+async def test_no_resume_sleep_wake_or_save_while_an_update_runs(
+    fresh: Engine, tmp_path: Path
+) -> None:
     engine = fresh
     with anyio.fail_after(HANG_GUARD):
         pids = await engine.collective_rpc("pid")
@@ -287,11 +289,32 @@ async def test_no_resume_sleep_or_wake_while_an_update_runs(fresh: Engine) -> No
         async with anyio.create_task_group() as tg:
             tg.start_soon(functools.partial(engine.update_weights, shift(8), version="slow"))
             await anyio.wait_all_tasks_blocked()  # the update waits for the slow rank
-            for call in (engine.resume, engine.sleep, engine.wake_up):
+            save = functools.partial(engine.save_weights, tmp_path / "saved")
+            for call in (engine.resume, engine.sleep, engine.wake_up, save):
                 with pytest.raises(WeightUpdateInProgressError, match="still running"):
                     await call()
         await engine.resume()
         await assert_serving(engine, 8, "slow")
+
+
+async def test_save_weights_is_refused_clearly(fresh: Engine, tmp_path: Path) -> None:
+    engine = fresh
+    target = tmp_path / "saved"
+    with anyio.fail_after(HANG_GUARD):
+        # The null executor has no weights to write; rank 0 writes for every rank.
+        with pytest.raises(WeightUpdateRefusedError, match="rank 0: RpcTestExecutor cannot save"):
+            await engine.save_weights(target)
+        with pytest.raises(InvalidRequestError, match="max_shard_size must be positive"):
+            await engine.save_weights(target, max_shard_size=0)
+        with pytest.raises(InvalidRequestError, match="takes a directory path"):
+            await engine.save_weights(3)  # type: ignore[arg-type]
+        await engine.sleep(1)
+        with pytest.raises(WeightUpdateRefusedError, match="the weights are asleep"):
+            await engine.save_weights(target)
+        await engine.wake_up()
+        await engine.resume()
+        await assert_serving(engine, 0, None)
+    assert not target.exists()
 
 
 async def test_a_cancelled_update_changes_nothing(fresh: Engine) -> None:
