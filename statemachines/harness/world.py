@@ -280,6 +280,21 @@ class World:
     def ranks(self) -> list[RankMachine]:
         return [loop.machine for loop in self.loops]
 
+    def _abandon_awaited_call(self, **also: object) -> None:
+        """The client stops waiting for the call it awaited (an aborted scale, a loss
+        cutting into one); answers still on their way arrive unawaited. `also` sets
+        further client fields."""
+        self.client = replace(
+            self.client,
+            awaited_call=None,
+            awaited_mode=None,
+            awaiting=frozenset(),
+            arrivals=frozenset(),
+            pause_deadline=None,
+            doomed=frozenset(),
+            **also,
+        )
+
     def _note(self, text: str | Callable[[], str]) -> None:
         if self.trace is not None:
             self.trace.append(text if isinstance(text, str) else text())
@@ -881,16 +896,7 @@ class World:
         if self.scaler.phase.name == "SWITCHING":
             self.aborted_switch = self.client.awaited_call
         # The call it waited for is abandoned; the ranks' answers come in unawaited.
-        self.client = replace(
-            self.client,
-            awaited_call=None,
-            awaited_mode=None,
-            awaiting=frozenset(),
-            arrivals=frozenset(),
-            pause_deadline=None,
-            doomed=frozenset(),
-            drain_timed_out=False,
-        )
+        self._abandon_awaited_call(drain_timed_out=False)
         self._scale_actions(self._handle(self.scaler, ScaleAborted(reason="aborted"), "scaler"))
         for r, loop in enumerate(self.loops):
             if isinstance(loop.pending, Collective):
@@ -1010,15 +1016,7 @@ class World:
             if r in (sender, receiver):
                 self.network.take(sender, receiver)  # lost with the process
         # The loss cuts into whatever the scaler waited for: its call is abandoned.
-        self.client = replace(
-            self.client,
-            awaited_call=None,
-            awaited_mode=None,
-            awaiting=frozenset(),
-            arrivals=frozenset(),
-            pause_deadline=None,
-            doomed=frozenset(),
-        )
+        self._abandon_awaited_call()
         members = self.scaler.members or self.client.group
         event = RanksLost(old_dp_size=members, lost=tuple(sorted(self.dead)))
         self._scale_actions(self._handle(self.scaler, event, "scaler"))

@@ -21,7 +21,25 @@ from safetensors.torch import save_file
 
 from wavecore.engine.executors.batch import Executor, ModelBatch, SampledToken, SequenceChunk
 from wavecore.engine.model import load_executor
+from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.sampling_params import SamplingParams
+
+# A model config small enough to build weights for in a test (kernel choice, auto path).
+KERNEL_TEST_CONFIG = ModelConfig(
+    architecture="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    context_length=512,
+    tie_word_embeddings=True,
+    qkv_bias=False,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_test_helpers import ArgmaxSampler
+from model_test_helpers import KERNEL_TEST_CONFIG, ArgmaxSampler
 
 from wavecore.engine.model import kernel_choice, linear, load_executor
-from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.int8_linear import Int8Projection
 from wavecore.engine.model.kernel_cache import KernelCache
 from wavecore.engine.model.kernel_choice import choose_kernels, plan_of
@@ -23,21 +22,7 @@ from wavecore.engine.model.quality import QualityReport
 from wavecore.engine.model.scoring import score_sequences
 
 CPU = torch.device("cpu")
-CONFIG = ModelConfig(
-    architecture="llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    context_length=512,
-    tie_word_embeddings=True,
-    qkv_bias=False,
-)
+CONFIG = KERNEL_TEST_CONFIG
 ALL = ("blas", "onednn", "onednn-bf16", "fbgemm")
 MIXED = KernelPlan(decode="fbgemm", small="onednn-bf16", large="onednn-bf16", prefill="blas")
 

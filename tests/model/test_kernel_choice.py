@@ -12,13 +12,12 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from model_test_helpers import GreedyRunner
+from model_test_helpers import KERNEL_TEST_CONFIG, GreedyRunner
 
 from wavecore.engine.api import open_engine_core
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.model import ModelExecutor, linear, load_executor
-from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.kernel_cache import KernelCache, KernelCacheWarning
 from wavecore.engine.model.kernel_choice import (
     KernelChoice,
@@ -36,21 +35,7 @@ from wavecore.engine.model.weights import LayerWeights, ModelWeights
 from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
 
 CPU = torch.device("cpu")
-CONFIG = ModelConfig(
-    architecture="llama",
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    context_length=512,
-    tie_word_embeddings=True,
-    qkv_bias=False,
-)
+CONFIG = KERNEL_TEST_CONFIG
 ONEDNN = KernelPlan.uniform("onednn")
 
 
