@@ -38,11 +38,13 @@ check-protocol: $(STAMP)
 	SIMULATION_EXAMPLES=5000 $(BIN)/python -m pytest -q tests/statemachines/test_simulation.py
 
 # Random rank kills and stops under load with on_rank_failure="shrink": SOAK_SEEDS seeds
-# per DP mode (`make test` runs two).
+# per DP mode (`make test` runs two); then every test marked `soak` (longer variations of
+# tests that `make test` runs in one or two cases).
 soak: SOAK_SEEDS ?= 50
 soak: $(STAMP)
 	SOAK_SEEDS=$(SOAK_SEEDS) $(BIN)/python -m pytest tests/dp/test_dp_rank_loss.py -k random -q
 	SOAK_SEEDS=$(SOAK_SEEDS) $(BIN)/python -m pytest tests/dp/test_dp_scale_old_rank_faults.py -q
+	$(BIN)/python -m pytest -m soak -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
