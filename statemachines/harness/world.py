@@ -76,24 +76,14 @@ from ..rank import (
     AwaitVote,
     DrainVote,
     GroupLost,
-    JoinGroup,
-    NotifyStartWave,
-    NotifyWaveComplete,
     PauseMode,
     PauseRequested,
     PauseState,
     RankMachine,
-    RankPhase,
-    Reconfigured,
-    ResumeBarrier,
     ResumeRequested,
-    ResumeSynced,
     SleepRequested,
-    StartVote,
     StartWave,
     StepDone,
-    SwitchRequested,
-    SyncDone,
     WakeUpRequested,
 )
 from ..rank_loop import (
@@ -109,30 +99,8 @@ from ..rank_loop import (
     Wake,
 )
 from ..scaling import (
-    CoordinatorResized,
-    Drained,
-    DrainRanks,
-    DropRanks,
-    GroupLeft,
-    LeaveGroup,
-    PauseRanks,
-    RanksLost,
-    RanksPaused,
-    RanksReady,
-    ReconfigureFinished,
-    ResizeCoordinator,
-    ResizeTables,
-    Resumed,
-    ResumeRanks,
-    RouteTo,
-    ScaleAborted,
     ScaleRequested,
-    ScaleRolledBack,
     ScalingMachine,
-    StartRanks,
-    StopRanks,
-    SwitchDone,
-    SwitchGroup,
 )
 from .client import ClientRefused, ClientState, RequestSpec, refusal
 from .invariants import (
@@ -142,9 +110,12 @@ from .invariants import (
     check_quiescent,
     collective_members,
 )
-from .network import CLIENT, COORDINATOR, DUPLICATOR, Message, Network, Party
+from .network import CLIENT, COORDINATOR, Message, Network, Party
 from .reduction import world_key
-from .toy import ToyRank, ToyRequest, preempted, toy_step
+from .toy import ToyRank, preempted, toy_step
+from .world_collectives import CollectiveMoves
+from .world_effects import RankEffects
+from .world_scaling import ScalingMoves
 
 __all__ = [
     "CLIENT",
@@ -178,7 +149,7 @@ class WorldConfig:
 
 
 @dataclass(slots=True)
-class World:
+class World(CollectiveMoves, ScalingMoves):
     config: WorldConfig
     loops: list[RankLoop]
     toys: list[ToyRank]
@@ -232,7 +203,7 @@ class World:
         )
         self.loops.append(RankLoop(machine))
         self.toys.append(ToyRank())
-        self.loops[r].start(_RankEffects(self, r))
+        self.loops[r].start(RankEffects(self, r))
 
     # -- value semantics ------------------------------------------------------------------
 
@@ -434,7 +405,7 @@ class World:
             if message[1] == self.client.awaited_call and not loop.snapshot()[1].deferred:
                 self._arrived(r)
         self._note(lambda: f"    rank {r} <- {item}")
-        self.loops[r].deliver(item, _RankEffects(self, r))
+        self.loops[r].deliver(item, RankEffects(self, r))
         if isinstance(item, Call) and isinstance(item.request, GroupLost):
             self._forget_votes(r)  # rank rule 13: its open votes went with the group
         deferred = item in self.loops[r].snapshot()[1].deferred  # rank_loop rule 7
@@ -462,7 +433,7 @@ class World:
         )
         deferred = self.loops[r].snapshot()[1].deferred
         try:
-            self.loops[r].complete(result, _RankEffects(self, r))
+            self.loops[r].complete(result, RankEffects(self, r))
         except LockstepDriftError as error:
             if not self.drifted:
                 raise Violation("protocol_error", f"rank {r}: {error}") from error
@@ -553,183 +524,6 @@ class World:
             deadline = (wave, step + 2 * self.config.sync_interval)
             client = replace(client, pause_deadline=deadline)
         self.client = client
-
-    # -- votes (the non-blocking all-reduce) ---------------------------------------------------
-
-    def start_vote(self, r: int, vote: StartVote) -> None:
-        toy = self.toys[r]
-        forwards = toy.forwards if toy.forwards_wave == vote.wave else 0
-        if forwards != vote.step_counter:
-            raise Violation(
-                "lockstep",
-                f"rank {r} votes at step {vote.step_counter} of wave {vote.wave} after "
-                f"{forwards} forwards in it",
-            )
-        self.toys[r] = replace(toy, votes=(*toy.votes, vote))
-
-    def _read_ready_votes(self) -> None:
-        """Every rank waiting for a vote that every member started reads it now."""
-        progress = True
-        while progress:
-            progress = False
-            for r, loop in enumerate(self.loops):
-                pending = loop.pending
-                if isinstance(pending, Collective) and isinstance(
-                    pending.action, AwaitVote | DrainVote
-                ):
-                    progress |= self._read_vote(r)
-
-    def _read_vote(self, r: int) -> bool:
-        """Rank ``r`` reads its oldest unread vote if every member started it."""
-        index = self.toys[r].votes_read
-        members = self.group
-        if self.halted is not None:
-            return False
-        if self.broken_calls is not None:
-            return False  # rule 5: the broken group's votes fail (``_settle``)
-        if any(len(self.toys[q].votes) <= index for q in members):
-            return False
-        ballots = [self.toys[q].votes[index] for q in members]
-        waves = {b.wave for b in ballots}
-        steps = {b.step_counter for b in ballots}
-        result = SyncDone(
-            any_unfinished=any(b.has_unfinished for b in ballots),
-            pausing_ranks=sum(b.pending_pause for b in ballots),
-            wave_span=(min(waves), max(waves)),
-            step_counter_span=(min(steps), max(steps)),
-        )
-        if len(waves) > 1 or len(steps) > 1:
-            if not self.drifted:
-                raise Violation("lockstep", f"a vote met waves {waves} and step counters {steps}")
-            self._read_drift(r, result)
-            return True
-        self.toys[r] = replace(self.toys[r], votes_read=index + 1)
-        read = min(self.toys[q].votes_read for q in members)
-        if read:  # every member read these: forget them
-            for q in members:
-                toy = self.toys[q]
-                self.toys[q] = replace(
-                    toy, votes=toy.votes[read:], votes_read=toy.votes_read - read
-                )
-        self._note(f"rank {r} reads vote {index}: {result}")
-        self._complete(r, result)
-        return True
-
-    # -- an injected drift (rule 8) -------------------------------------------------------
-
-    def drift_moves(self) -> list[Move]:
-        """Where a drift may be injected: once, into a rank running a lockstep wave at
-        the top of an iteration."""
-        if not self.config.drift or self.drifted or self.halted is not None:
-            return []
-        return [
-            ("drift", r)
-            for r in self.group
-            if self.loops[r].machine.phase is RankPhase.RUNNING
-            and isinstance(self.loops[r].pending, RunStep)
-        ]
-
-    def _drift(self, r: int) -> None:
-        """Rank ``r`` runs one forward more than its peers and counts it (a bug the
-        protocol cannot rule out): its step counter is one ahead from now on."""
-        if ("drift", r) not in self.drift_moves():
-            raise ClientRefused(f"rank {r} cannot drift here")
-        self._note(f"rank {r} drifts: one extra forward, counted")
-        self.drifted = True
-        machine = self.loops[r].machine
-        self._forward(r)
-        machine.restore(replace(machine.snapshot(), step_counter=machine.step_counter + 1))
-
-    def _read_drift(self, r: int, result: SyncDone) -> None:
-        """A vote met the drift: the rank must end with ``LockstepDriftError`` (rank
-        rule 12), which ends the engine; anything else is a violation."""
-        self._note(f"rank {r} reads the drifted vote: {result}")
-        self._complete(r, result)
-        if self.halted is not None:
-            return
-        raise Violation(
-            "drift_unnoticed",
-            f"rank {r} took a vote of step counters {result.step_counter_span} without "
-            "LockstepDriftError",
-        )
-
-    def _complete_collective(self, members: range) -> None:
-        if len(self.loops) < len(members):
-            return
-        pendings = [self.loops[r].pending for r in members]
-        if not all(isinstance(p, Collective) for p in pendings):
-            return
-        actions = [p.action for p in pendings]  # type: ignore[union-attr]
-        if len({type(a) for a in actions}) != 1:
-            return  # the invariants report the mismatch
-        unread = [r for r in members if self.toys[r].votes[self.toys[r].votes_read :]]
-        if unread:
-            # In gloo the collective would pair with the open vote: nonsense, or a hang.
-            raise Violation(
-                "collective_order", f"ranks {unread} enter a collective with a vote unread"
-            )
-        first = actions[0]
-        if isinstance(first, ResumeBarrier):
-            synced = ResumeSynced(any_unfinished=any(a.has_unfinished for a in actions))  # type: ignore[union-attr]
-            results: list[object] = [synced] * len(members)
-        else:
-            results = self._join_results(members, actions)  # type: ignore[arg-type]
-        self._note(f"collective {type(first).__name__} of ranks {list(members)} completes")
-        for r, result in zip(members, results, strict=True):
-            self._complete(r, result)
-
-    def _join_results(self, members: range, actions: list[JoinGroup]) -> list[object]:
-        self.group_size = len(members)
-        self.broken_calls = None  # rule 5: the new group is whole
-        merged = Reconfigured(
-            rank=0,
-            dp_size=len(members),
-            wave=max(a.wave for a in actions),
-            running=any(a.running for a in actions),
-            step_counter=max(a.step_counter for a in actions),
-        )
-        return [replace(merged, rank=r) for r in members]
-
-    # -- a broken group (rule 5) ----------------------------------------------------------
-
-    def _broken(self, r: int, pending: Collective) -> bool:
-        """Whether rank ``r``'s collective belongs to the broken group: any vote or
-        barrier while it is broken, a join only when a switch of the broken group asked
-        for it (the shrink's own switch forms the survivors' group)."""
-        calls = self.loops[r].snapshot()[1].switch_calls
-        if isinstance(pending.action, JoinGroup) and self.aborted_switch in calls:
-            return True
-        if self.broken_calls is None:
-            return False
-        if not isinstance(pending.action, JoinGroup):
-            return True
-        return any(call_id < self.broken_calls for call_id in calls)
-
-    def _fail_collective(self, r: int, pending: Collective) -> None:
-        """The collective fails as gloo's does when a member died. A join that fails
-        keeps the rank in its old group with its own counters (rank rule 11); any other
-        is given up (rank rule 13), and the votes still open go with the group."""
-        self._note(f"rank {r}'s {type(pending.action).__name__} fails: the group is broken")
-        if isinstance(pending.action, JoinGroup):
-            machine, action = self.loops[r].machine, pending.action
-            kept = Reconfigured(
-                rank=r,
-                dp_size=machine.dp_size,
-                wave=action.wave,
-                running=action.running,
-                step_counter=action.step_counter,
-            )
-            self._complete(r, kept)
-            return
-        self._forget_votes(r)
-        try:
-            self.loops[r].group_lost(_RankEffects(self, r))
-        except ProtocolError as error:
-            raise Violation("protocol_error", f"rank {r}: {error}") from error
-        self._settle(r)
-
-    def _forget_votes(self, r: int) -> None:
-        self.toys[r] = replace(self.toys[r], votes=(), votes_read=0)
 
     # -- the client -------------------------------------------------------------------------
 
@@ -853,219 +647,6 @@ class World:
             paused=True,
         )
 
-    # -- scaling ------------------------------------------------------------------------------
-
-    def scale_moves(self) -> list[Move]:
-        """The client's moves that take a scale on: its next part, or a drain timeout."""
-        phase = self.scaler.phase.name
-        client = self.client
-        moves: list[Move] = []
-        target = self.scaler.target_dp_size or 0
-        if phase == "DRAINING":
-            leaving = range(target, client.group)
-            if not client.unfinished_on(leaving):
-                moves.append(("scale_next",))
-            elif not client.drain_timed_out:
-                moves.append(("drain_timeout",))
-        elif (phase in ("PAUSING", "LEAVING", "SWITCHING") and not client.awaiting) or (
-            phase == "RESIZING" and client.published_size == target
-        ):
-            moves.append(("scale_next",))
-        return moves
-
-    def abort_moves(self) -> list[Move]:
-        """The client's abort of the running scale (rule 7), where the scaling machine
-        rolls it back: a scale down while it drains or pauses, a scale up while it
-        pauses or switches before its new group formed. Where it cannot (a scale down's
-        leaving ranks stopped, a switch that succeeded, a shrink) the engine is left
-        unusable by design (``ScaleAbandoned``), which is not modelled."""
-        if not self.config.abort_scales or self.shrinking:
-            return []
-        old, new = self.client.group, self.scaler.target_dp_size or 0
-        phase = self.scaler.phase.name
-        if phase in ("DRAINING", "PAUSING") or (
-            phase == "SWITCHING" and new > old and self.group_size == old
-        ):
-            return [("scale_abort",)]
-        return []
-
-    def _abort_scale(self) -> None:
-        if ("scale_abort",) not in self.abort_moves():
-            raise ClientRefused(f"scale_abort: not possible in {self.scaler.phase.name}")
-        self._note(f"client aborts the scale in {self.scaler.phase.name}")
-        if self.scaler.phase.name == "SWITCHING":
-            self.aborted_switch = self.client.awaited_call
-        # The call it waited for is abandoned; the ranks' answers come in unawaited.
-        self._abandon_awaited_call(drain_timed_out=False)
-        self._scale_actions(self._handle(self.scaler, ScaleAborted(reason="aborted"), "scaler"))
-        for r, loop in enumerate(self.loops):
-            if isinstance(loop.pending, Collective):
-                self._settle(r)
-
-    def _scale_move(self, kind: str) -> None:
-        if (kind,) not in self.scale_moves():
-            raise ClientRefused(f"{kind}: not possible in {self.scaler.phase.name}")
-        self._note(f"client scale: {kind}")
-        if kind == "drain_timeout":
-            target = self.scaler.target_dp_size or 0
-            for r in range(target, self.client.group):
-                ids = self.client.unfinished_on(range(r, r + 1))
-                if ids:
-                    self.network.send(CLIENT, r, ("abort", ids))
-            self.client = replace(self.client, drain_timed_out=True)
-            return
-        if self.scaler.phase.name == "DRAINING":
-            self.client = replace(self.client, drain_timed_out=False)  # the drain is over
-        self._check_second_scale_refused()
-        event = {
-            "DRAINING": Drained(),
-            "PAUSING": RanksPaused(),
-            "LEAVING": GroupLeft(),
-            "SWITCHING": SwitchDone(),
-            "RESIZING": CoordinatorResized(),
-        }[self.scaler.phase.name]
-        self._scale_actions(self._handle(self.scaler, event, "scaler"))
-
-    def _scale_actions(self, actions: tuple[object, ...]) -> None:
-        for action in actions:
-            if isinstance(action, StartRanks):
-                for r in action.ranks:
-                    self._add_rank(r, action.dp_size, joining=True)
-                self._scale_actions(self._handle(self.scaler, RanksReady(), "scaler"))
-            elif isinstance(action, RouteTo):
-                self.client = replace(self.client, routing=action.dp_size)
-            elif isinstance(action, DrainRanks):
-                pass  # the drain is the client's waiting (``scale_moves``)
-            elif isinstance(action, PauseRanks):
-                self._call(action.ranks, PauseRequested(mode=PauseMode.KEEP), awaited=True)
-            elif isinstance(action, StopRanks):
-                self._stop_ranks(action.ranks)
-            elif isinstance(action, SwitchGroup):
-                self._call(
-                    range(action.dp_size), SwitchRequested(dp_size=action.dp_size), awaited=True
-                )
-            elif isinstance(action, ResizeCoordinator):
-                self.network.send(CLIENT, COORDINATOR, ("resize", action.dp_size))
-            elif isinstance(action, ResizeTables):
-                self.client = replace(self.client, group=action.dp_size, routing=action.dp_size)
-            elif isinstance(action, ResumeRanks):
-                self._call(action.ranks, ResumeRequested(), awaited=False)
-                self.client = replace(self.client, paused=False)
-                if self.scaler.active:  # not a rollback's (rule 7)
-                    self._scale_actions(self._handle(self.scaler, Resumed(), "scaler"))
-            elif isinstance(action, ScaleRolledBack):
-                pass  # the caller's error: the engine serves at its old size
-            elif isinstance(action, DropRanks):
-                self._drop_ranks(action)
-            elif isinstance(action, LeaveGroup):
-                self._call(action.ranks, GroupLost(), awaited=True)
-            elif isinstance(action, ReconfigureFinished):
-                self.shrinking = False
-                self._check_roles(action.dp_size)
-            else:
-                raise Violation("scale", f"the simulation cannot perform {action}")
-
-    def _check_roles(self, dp_size: int) -> None:
-        """A finished scale: each party did its own part. The leaving ranks shut down;
-        the staying ranks switched to the new group and the joining ones joined it."""
-        if len(self.loops) != dp_size:
-            leftover = list(range(dp_size, len(self.loops)))
-            raise Violation(
-                "scale_roles", f"a scale to {dp_size} ranks finished with ranks {leftover} running"
-            )
-        elsewhere = {
-            r: (loop.machine.rank, loop.machine.dp_size)
-            for r, loop in enumerate(self.loops)
-            if (loop.machine.rank, loop.machine.dp_size) != (r, dp_size)
-        }
-        if elsewhere:
-            raise Violation(
-                "scale_roles",
-                f"a scale to {dp_size} ranks finished with ranks numbered or grouped "
-                f"otherwise (rank, dp_size): {elsewhere}",
-            )
-
-    # -- rank death (rule 5) -------------------------------------------------------------------
-
-    def death_moves(self) -> list[Move]:
-        """The ranks that may die now: a member of a reconfiguration (scaling rule 10), or
-        any rank while the engines serve with no call in flight (rule 9). Elsewhere a
-        death ends the engine (it cannot shrink), which is not modelled."""
-        if not self.deaths_left:
-            return []
-        members = self.scaler.members
-        if members is None:
-            client = self.client
-            if client.awaiting or client.paused or client.asleep:
-                return []
-            members = client.group
-        alive = [r for r in range(members) if r not in self.dead]
-        if len(alive) < 2:
-            return []  # the last rank's death ends the engine
-        return [("die", r) for r in alive]
-
-    def _die(self, r: int) -> None:
-        if ("die", r) not in self.death_moves():
-            raise ClientRefused(f"rank {r} cannot die here")
-        self._note(f"rank {r} dies")
-        self.deaths_left -= 1
-        self.dead = self.dead | {r}
-        self.shrinking = True
-        self.broken_calls = self.client.calls
-        for sender, receiver in self.network.pairs():
-            if r in (sender, receiver):
-                self.network.take(sender, receiver)  # lost with the process
-        # The loss cuts into whatever the scaler waited for: its call is abandoned.
-        self._abandon_awaited_call()
-        members = self.scaler.members or self.client.group
-        event = RanksLost(old_dp_size=members, lost=tuple(sorted(self.dead)))
-        self._scale_actions(self._handle(self.scaler, event, "scaler"))
-        for q, loop in enumerate(self.loops):
-            if isinstance(loop.pending, Collective):
-                self._settle(q)
-
-    def _drop_ranks(self, action: DropRanks) -> None:
-        """``DropRanks`` as the engine's ``lose_ranks``: the lost ranks' requests end with
-        an error, and the survivors are renumbered in every table and channel."""
-        expected = tuple(r for r in range(len(self.loops)) if r not in self.dead)
-        if set(action.ranks) != self.dead or action.survivors != expected:
-            raise Violation(
-                "shrink_survivors",
-                f"ranks {sorted(self.dead)} of ranks 0..{len(self.loops) - 1} died, but the "
-                f"shrink drops {action.ranks} and keeps {action.survivors}",
-            )
-        owners = self.client.owners
-        ended = frozenset(
-            i for i, owner in enumerate(owners) if owner in self.dead and i not in self.client.done
-        )
-        self.end_requests(ended, failed=True)
-        new = {old: rank for rank, old in enumerate(action.survivors)}
-        # A dropped rank's requests have all ended: they belong to no rank (-1).
-        owners = tuple(new.get(owner, -1) for owner in owners)
-        self.loops = [self.loops[old] for old in action.survivors]
-        self.toys = [self.toys[old] for old in action.survivors]
-        self.network = self.network.renumbered(new)
-        n = len(action.survivors)
-        self.group_size = n
-        self.dead = frozenset()
-        self.client = replace(self.client, owners=owners, group=n, routing=n)
-
-    def _stop_ranks(self, ranks: tuple[int, ...]) -> None:
-        for r in ranks:
-            lost = [q.id for q in self.toys[r].requests]
-            if lost:
-                raise Violation("request_lost", f"leaving rank {r} still held {sorted(lost)}")
-            for sender in (CLIENT, COORDINATOR):
-                for message in self.network.take(sender, r):
-                    if message[0] == "add":
-                        raise Violation(
-                            "request_lost", f"request {message[1]} sent to leaving rank {r}"
-                        )
-        keep = min(ranks)
-        del self.loops[keep:]
-        del self.toys[keep:]
-        self.group_size = keep
-
 
 def coordinator_event(message: Message) -> object:
     """The coordinator's event for a message to it."""
@@ -1088,70 +669,3 @@ def _carried_wave(message: Message) -> int:
     if kind == "wave_complete":
         return message[1] + 1  # type: ignore[operator]
     return -1
-
-
-class _RankEffects:
-    """The modelled effects of rank ``r`` (``rank_loop.RankEffects``)."""
-
-    def __init__(self, world: World, r: int) -> None:
-        self.world = world
-        self.r = r
-
-    def add_request(self, request_id: str, payload: object) -> None:
-        steps, stalls = payload  # type: ignore[misc]
-        toy = self.world.toys[self.r]
-        request = ToyRequest(id=int(request_id), remaining=steps, stalls=stalls)
-        self.world.toys[self.r] = replace(toy, requests=(*toy.requests, request))
-
-    def abort_requests(self, request_ids: tuple[str, ...]) -> None:
-        self._finish(frozenset(int(i) for i in request_ids))
-
-    def stop_requests(self, request_ids: tuple[str, ...]) -> None:
-        self._finish(frozenset(int(i) for i in request_ids))
-
-    def _finish(self, ids: frozenset[int]) -> None:
-        world = self.world
-        toy = world.toys[self.r]
-        held = frozenset(q.id for q in toy.requests) & ids
-        kept = tuple(q for q in toy.requests if q.id not in ids)
-        world.toys[self.r] = replace(toy, requests=kept)
-        world.end_requests(held)
-
-    def pause_scheduler(self, mode: PauseMode) -> None:
-        if mode is PauseMode.ABORT:
-            self._finish(frozenset(q.id for q in self.world.toys[self.r].requests))
-        self.world.toys[self.r] = replace(self.world.toys[self.r], scheduler_pause=mode)
-
-    def resume_scheduler(self) -> None:
-        self.world.toys[self.r] = replace(self.world.toys[self.r], scheduler_pause=None)
-
-    def reset_prefix_cache(self) -> None:
-        pass
-
-    def start_vote(self, vote: StartVote) -> None:
-        self.world.start_vote(self.r, vote)
-
-    def notify_coordinator(self, message: NotifyStartWave | NotifyWaveComplete) -> None:
-        network = self.world.network
-        # A local half of the coordinator-wave property (``por`` rule 7b): a rank
-        # announces only a wave it is in, and completes only one it left.
-        own = self.world.loops[self.r].machine.wave
-        ahead = message.wave > own if isinstance(message, NotifyStartWave) else message.wave >= own
-        if ahead:
-            raise Violation("coordinator_wave", f"rank {self.r} in wave {own} sends {message}")
-        if isinstance(message, NotifyStartWave):
-            network.send(self.r, COORDINATOR, ("start_wave", self.r, message.wave))
-            return
-        network.send(self.r, COORDINATOR, ("wave_complete", message.wave))
-        if self.world.config.duplicate_wave_complete:
-            network.send(DUPLICATOR, COORDINATOR, ("wave_complete", message.wave))
-
-    def announce_held(self, request_ids: tuple[str, ...], reason: str) -> None:
-        held = frozenset(int(i) for i in request_ids)
-        self.world.client = replace(self.world.client, held=self.world.client.held | held)
-
-    def report(self) -> object:
-        return None
-
-    def reply(self, call_id: int, *, error: str | None = None, result: object = None) -> None:
-        self.world.answered(self.r, call_id, error)
