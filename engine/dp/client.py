@@ -223,7 +223,6 @@ class DPClient:
                 if host is None or refused is not None:
                     self._die(EngineDeadError(f"{cause} (the group cannot shrink: {refused})"))
                     continue
-                self._shrinks += 1
                 await shrinks.start(self._shrink, host, member, cause, loss.resend)
 
     async def _shrink(
@@ -237,6 +236,11 @@ class DPClient:
     ) -> None:
         seen = anyio.current_time()
         size = host.dp_size
+        # Counted here, in the same tick as the scaler takes the loss (it is `shrinking`
+        # from then on): a survivor's report that arrives before this task first runs
+        # then counts as older than this shrink, which explains it (counted before
+        # `start`, such a report looked newer, found its cause gone, and ended the engine).
+        self._shrinks += 1
         try:
             with self.heartbeats.suspended():
                 await self.scaler.shrink(
