@@ -48,7 +48,7 @@ from machine import describe  # bench/machine.py, beside this script
 from wavecore.engine.api import Engine, open_dp_engine
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.sampling_params import SamplingParams
-from wavecore.statemachines.rank import PauseMode
+from wavecore.statemachines.rank_events import PauseMode
 
 RESULTS = Path(__file__).resolve().parent / "results" / "dp.json"
 TARGET_TOKENS_PER_S_DP2 = 50_000

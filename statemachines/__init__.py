@@ -17,7 +17,8 @@ from .coordinator import (
     WaveCompleted,
 )
 from .errors import LockstepDriftError, ProtocolError, ReconfigurationActiveError
-from .rank import (
+from .rank import RankMachine
+from .rank_events import (
     SLEEP_TAGS,
     AwaitVote,
     DrainVote,
@@ -33,7 +34,6 @@ from .rank import (
     PauseRequested,
     PauseScheduler,
     PauseState,
-    RankMachine,
     RankPhase,
     Reconfigured,
     RequestArrived,

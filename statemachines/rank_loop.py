@@ -50,7 +50,8 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from .errors import ProtocolError
-from .rank import (
+from .rank import RankMachine, RankSnapshot
+from .rank_events import (
     AwaitVote,
     DrainVote,
     EnterSleep,
@@ -65,8 +66,6 @@ from .rank import (
     PauseRequested,
     PauseScheduler,
     PauseState,
-    RankMachine,
-    RankSnapshot,
     Reconfigured,
     RequestArrived,
     RequestHeld,

@@ -43,7 +43,7 @@ from .harness.explore import ExploreConfig, default_configs, explore
 from .harness.por import REDUCTIONS
 from .harness.variants import VARIANTS
 from .harness.world import ClientRefused, RequestSpec, Violation, World, WorldConfig
-from .rank import PauseMode
+from .rank_events import PauseMode
 
 __all__ = ["ClientRefused", "Simulation", "Violation", "main"]
 

@@ -67,7 +67,7 @@ from wavecore.engine.executors.batch import (
     SequenceChunk,
 )
 from wavecore.engine.sampling_params import SamplingParams
-from wavecore.statemachines.rank import PauseMode
+from wavecore.statemachines.rank_events import PauseMode
 from wavecore.statemachines.request import (
     Finish,
     FinishReason,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..rank import PauseMode
+from ..rank_events import PauseMode
 
 
 class ClientRefused(Exception):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass, field, replace
 
-from ..rank import PauseMode
+from ..rank_events import PauseMode
 from .por import (
     REDUCTIONS,
     ReductionError,

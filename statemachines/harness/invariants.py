@@ -32,7 +32,7 @@ and every accepted request finished unless the engines are paused.
 
 from __future__ import annotations
 
-from ..rank import AwaitVote, DrainVote, JoinGroup, PauseMode, PauseState
+from ..rank_events import AwaitVote, DrainVote, JoinGroup, PauseMode, PauseState
 from ..rank_loop import Collective, WaitForInput
 from .view import WorldView
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 CLIENT, COORDINATOR, DUPLICATOR = "client", "coordinator", "network"
 Party = int | str
 Message = tuple[object, ...]
+# One move of the world (``world`` rule 2): a delivery, a rank's step, a client's act.
+Move = tuple[object, ...]
 Pair = tuple[Party, Party]
 
 

@@ -125,19 +125,18 @@ from functools import partial
 
 from ..coordinator import CoordinatorMachine
 from ..errors import ProtocolError
-from ..rank import (
+from ..rank import RankMachine, RankSnapshot
+from ..rank_events import (
     JoinGroup,
     PauseMode,
-    RankMachine,
-    RankSnapshot,
     ResumeBarrier,
     ResumeRequested,
     StartWave,
     WakeUpRequested,
 )
 from ..rank_loop import Collective, RunStep, WaitForInput
-from .network import CLIENT, COORDINATOR, Message
-from .world import Move, Violation, World, coordinator_event
+from .network import CLIENT, COORDINATOR, Message, Move
+from .world import Violation, World, coordinator_event
 
 REDUCTIONS = ("por", "none")
 

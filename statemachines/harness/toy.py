@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..rank import PauseMode, StartVote
+from ..rank_events import PauseMode, StartVote
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

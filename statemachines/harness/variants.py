@@ -10,16 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..coordinator import CoordinatorMachine, CoordinatorSnapshot
-from ..rank import (
+from ..rank import RankMachine, RankSnapshot
+from ..rank_events import (
     EnterSleep,
     PauseComplete,
     PauseMode,
     PauseRequested,
     PauseScheduler,
     PauseState,
-    RankMachine,
     RankPhase,
-    RankSnapshot,
     Reconfigured,
     RequestArrived,
     ResumeBarrier,

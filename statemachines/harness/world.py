@@ -72,16 +72,19 @@ from ..coordinator import (
     WaveCompleted,
 )
 from ..errors import LockstepDriftError, ProtocolError, ReconfigurationActiveError
-from ..rank import (
+from ..rank import RankMachine
+from ..rank_events import (
     AwaitVote,
     DrainVote,
     GroupLost,
+    NotifyStartWave,
+    NotifyWaveComplete,
     PauseMode,
     PauseRequested,
     PauseState,
-    RankMachine,
     ResumeRequested,
     SleepRequested,
+    StartVote,
     StartWave,
     StepDone,
     WakeUpRequested,
@@ -110,11 +113,10 @@ from .invariants import (
     check_quiescent,
     collective_members,
 )
-from .network import CLIENT, COORDINATOR, Message, Network, Party
+from .network import CLIENT, COORDINATOR, DUPLICATOR, Message, Move, Network, Party
 from .reduction import world_key
-from .toy import ToyRank, preempted, toy_step
+from .toy import ToyRank, ToyRequest, preempted, toy_step
 from .world_collectives import CollectiveMoves
-from .world_effects import RankEffects
 from .world_scaling import ScalingMoves
 
 __all__ = [
@@ -127,8 +129,6 @@ __all__ = [
     "WorldConfig",
     "coordinator_event",
 ]
-
-Move = tuple[object, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -203,7 +203,10 @@ class World(CollectiveMoves, ScalingMoves):
         )
         self.loops.append(RankLoop(machine))
         self.toys.append(ToyRank())
-        self.loops[r].start(RankEffects(self, r))
+        self.loops[r].start(self._effects(r))
+
+    def _effects(self, r: int) -> _RankEffects:
+        return _RankEffects(self, r)
 
     # -- value semantics ------------------------------------------------------------------
 
@@ -405,7 +408,7 @@ class World(CollectiveMoves, ScalingMoves):
             if message[1] == self.client.awaited_call and not loop.snapshot()[1].deferred:
                 self._arrived(r)
         self._note(lambda: f"    rank {r} <- {item}")
-        self.loops[r].deliver(item, RankEffects(self, r))
+        self.loops[r].deliver(item, self._effects(r))
         if isinstance(item, Call) and isinstance(item.request, GroupLost):
             self._forget_votes(r)  # rank rule 13: its open votes went with the group
         deferred = item in self.loops[r].snapshot()[1].deferred  # rank_loop rule 7
@@ -433,7 +436,7 @@ class World(CollectiveMoves, ScalingMoves):
         )
         deferred = self.loops[r].snapshot()[1].deferred
         try:
-            self.loops[r].complete(result, RankEffects(self, r))
+            self.loops[r].complete(result, self._effects(r))
         except LockstepDriftError as error:
             if not self.drifted:
                 raise Violation("protocol_error", f"rank {r}: {error}") from error
@@ -669,3 +672,70 @@ def _carried_wave(message: Message) -> int:
     if kind == "wave_complete":
         return message[1] + 1  # type: ignore[operator]
     return -1
+
+
+class _RankEffects:
+    """The modelled effects of rank ``r`` (``rank_loop.RankEffects``)."""
+
+    def __init__(self, world: World, r: int) -> None:
+        self.world = world
+        self.r = r
+
+    def add_request(self, request_id: str, payload: object) -> None:
+        steps, stalls = payload  # type: ignore[misc]
+        toy = self.world.toys[self.r]
+        request = ToyRequest(id=int(request_id), remaining=steps, stalls=stalls)
+        self.world.toys[self.r] = replace(toy, requests=(*toy.requests, request))
+
+    def abort_requests(self, request_ids: tuple[str, ...]) -> None:
+        self._finish(frozenset(int(i) for i in request_ids))
+
+    def stop_requests(self, request_ids: tuple[str, ...]) -> None:
+        self._finish(frozenset(int(i) for i in request_ids))
+
+    def _finish(self, ids: frozenset[int]) -> None:
+        world = self.world
+        toy = world.toys[self.r]
+        held = frozenset(q.id for q in toy.requests) & ids
+        kept = tuple(q for q in toy.requests if q.id not in ids)
+        world.toys[self.r] = replace(toy, requests=kept)
+        world.end_requests(held)
+
+    def pause_scheduler(self, mode: PauseMode) -> None:
+        if mode is PauseMode.ABORT:
+            self._finish(frozenset(q.id for q in self.world.toys[self.r].requests))
+        self.world.toys[self.r] = replace(self.world.toys[self.r], scheduler_pause=mode)
+
+    def resume_scheduler(self) -> None:
+        self.world.toys[self.r] = replace(self.world.toys[self.r], scheduler_pause=None)
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def start_vote(self, vote: StartVote) -> None:
+        self.world.start_vote(self.r, vote)
+
+    def notify_coordinator(self, message: NotifyStartWave | NotifyWaveComplete) -> None:
+        network = self.world.network
+        # A local half of the coordinator-wave property (``por`` rule 7b): a rank
+        # announces only a wave it is in, and completes only one it left.
+        own = self.world.loops[self.r].machine.wave
+        ahead = message.wave > own if isinstance(message, NotifyStartWave) else message.wave >= own
+        if ahead:
+            raise Violation("coordinator_wave", f"rank {self.r} in wave {own} sends {message}")
+        if isinstance(message, NotifyStartWave):
+            network.send(self.r, COORDINATOR, ("start_wave", self.r, message.wave))
+            return
+        network.send(self.r, COORDINATOR, ("wave_complete", message.wave))
+        if self.world.config.duplicate_wave_complete:
+            network.send(DUPLICATOR, COORDINATOR, ("wave_complete", message.wave))
+
+    def announce_held(self, request_ids: tuple[str, ...], reason: str) -> None:
+        held = frozenset(int(i) for i in request_ids)
+        self.world.client = replace(self.world.client, held=self.world.client.held | held)
+
+    def report(self) -> object:
+        return None
+
+    def reply(self, call_id: int, *, error: str | None = None, result: object = None) -> None:
+        self.world.answered(self.r, call_id, error)

@@ -4,10 +4,9 @@ a broken group's failed collectives (``world``'s rules 3, 5 and 8)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from ..errors import ProtocolError
-from ..rank import (
+from ..rank_events import (
     AwaitVote,
     DrainVote,
     JoinGroup,
@@ -24,10 +23,7 @@ from ..rank_loop import (
 )
 from .client import ClientRefused
 from .invariants import Violation
-from .world_effects import RankEffects
-
-if TYPE_CHECKING:
-    from .world import Move
+from .network import Move
 
 
 class CollectiveMoves:
@@ -205,7 +201,7 @@ class CollectiveMoves:
             return
         self._forget_votes(r)
         try:
-            self.loops[r].group_lost(RankEffects(self, r))
+            self.loops[r].group_lost(self._effects(r))
         except ProtocolError as error:
             raise Violation("protocol_error", f"rank {r}: {error}") from error
         self._settle(r)

@@ -4,15 +4,8 @@ scale rolled back, and rank deaths shrunk around (``world``'s rules 4, 5 and 7).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
-from ..rank import (
-    GroupLost,
-    PauseMode,
-    PauseRequested,
-    ResumeRequested,
-    SwitchRequested,
-)
+from ..rank_events import GroupLost, PauseMode, PauseRequested, ResumeRequested, SwitchRequested
 from ..rank_loop import Collective
 from ..scaling import (
     CoordinatorResized,
@@ -40,10 +33,7 @@ from ..scaling import (
 )
 from .client import ClientRefused
 from .invariants import Violation
-from .network import CLIENT, COORDINATOR
-
-if TYPE_CHECKING:
-    from .world import Move
+from .network import CLIENT, COORDINATOR, Move
 
 
 class ScalingMoves:

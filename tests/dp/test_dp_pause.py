@@ -8,7 +8,7 @@ from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens
 
 from wavecore.engine.api import Engine, open_engine
 from wavecore.engine.sampling_params import SamplingParams
-from wavecore.statemachines.rank import PauseMode
+from wavecore.statemachines.rank_events import PauseMode
 
 pytestmark = pytest.mark.anyio
 

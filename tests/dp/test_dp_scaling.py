@@ -27,7 +27,7 @@ from wavecore.engine.errors import (
     ScalingRefusedError,
 )
 from wavecore.engine.sampling_params import SamplingParams
-from wavecore.statemachines.rank import PauseMode
+from wavecore.statemachines.rank_events import PauseMode
 
 pytestmark = pytest.mark.anyio
 

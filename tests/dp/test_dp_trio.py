@@ -13,7 +13,7 @@ from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens
 from wavecore.engine.api import open_dp_engine, open_engine
 from wavecore.engine.errors import EngineDeadError
 from wavecore.engine.sampling_params import SamplingParams
-from wavecore.statemachines.rank import PauseMode
+from wavecore.statemachines.rank_events import PauseMode
 
 pytestmark = pytest.mark.anyio
 

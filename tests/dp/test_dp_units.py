@@ -12,7 +12,8 @@ import torch.distributed as dist
 from wavecore.engine.dp.collective import CollectiveMismatchError, DPGroup, GroupAbortedError
 from wavecore.engine.frontend.load_balancer import LoadBalancer
 from wavecore.statemachines.errors import LockstepDriftError
-from wavecore.statemachines.rank import RankMachine, RequestArrived, StepDone, SyncDone
+from wavecore.statemachines.rank import RankMachine
+from wavecore.statemachines.rank_events import RequestArrived, StepDone, SyncDone
 
 
 def _in_two_ranks(calls: list[Any], timeout_s: float = 20) -> list[Any]:

@@ -47,7 +47,8 @@ from wavecore.statemachines import (
     WaitForInput,
 )
 from wavecore.statemachines.harness.world import RequestSpec, World, WorldConfig
-from wavecore.statemachines.rank import GroupSwitched, RankSnapshot
+from wavecore.statemachines.rank import RankSnapshot
+from wavecore.statemachines.rank_events import GroupSwitched
 
 LEFT = (PauseScheduler(mode=PauseMode.KEEP), PauseComplete(), Idle())
 
