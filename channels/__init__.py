@@ -6,7 +6,8 @@ Two layers:
   registered under CBOR tags, encoded as positional arrays, decoded strictly;
 * the transport (`nng_io`, `streams`, `sockets`, `handshake`): pynng sockets driven by
   anyio on asyncio or trio, with per-tick batching, bounded buffers and anyio's
-  end-of-stream / closed / broken vocabulary.
+  end-of-stream / closed / broken vocabulary; frames signed and checked with a shared
+  key where the deployment gives one (`frame_signer`).
 
 `wavecore.channels.testing.check_channel_pair` is the conformance suite for channel pairs.
 This package never imports `wavecore.engine`.
@@ -38,6 +39,7 @@ from .errors import (
     MessageTooLargeError,
     RegistrationError,
 )
+from .frame_signer import KEY_ENVIRONMENT, ChannelKey, FrameSigner
 from .handshake import WIRE_VERSION, answer_handshake, config_hash, request_handshake
 from .registry import (
     ENGINE_TAGS,
@@ -54,13 +56,16 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_SIZE",
     "ENGINE_TAGS",
     "EXPERIMENT_TAGS",
+    "KEY_ENVIRONMENT",
     "RESERVED_TAGS",
     "WIRE_VERSION",
     "ChannelError",
+    "ChannelKey",
     "Codec",
     "DecodeError",
     "EncodeError",
     "EndOfStream",
+    "FrameSigner",
     "HandshakeError",
     "Hello",
     "MessageReceiver",

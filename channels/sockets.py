@@ -6,6 +6,9 @@ group, and closes everything on exit. `channel.address` is the address peers sho
 for `tcp://host:0` it carries the port the kernel picked (read back from the listener,
 so there is no pick-then-bind race).
 
+Authentication: every `open_*` takes `signer=` (`frame_signer`: one end of a channel,
+from the deployment's `ChannelKey`); a channel's ends must both sign or neither.
+
 Buffers (counted in frames, nng's unit): `recv_buffer_size` on receivers, and
 `max_batch_messages`/`max_batch_bytes` on senders, bound memory; see `streams`.
 """
@@ -20,6 +23,7 @@ import anyio
 import pynng
 
 from .codec import Codec
+from .frame_signer import SIGNATURE_SIZE, FrameSigner
 from .nng_io import NngIO, bound_address
 from .streams import InvalidHandler, MessageReceiver, MessageSender, MessageStream, _FrameReader
 
@@ -47,7 +51,11 @@ def _attach(socket: pynng.Socket, listen: str | None, dial: str | None) -> str:
 
 def _receive_options(codec: Codec, recv_buffer_size: int) -> dict[str, Any]:
     # nng drops oversize frames on tcp/ipc itself; inproc ones are refused by the codec.
-    return {"recv_max_size": codec.max_message_size, "recv_buffer_size": recv_buffer_size}
+    # A signed frame carries its signature besides the codec's largest frame.
+    return {
+        "recv_max_size": codec.max_message_size + SIGNATURE_SIZE,
+        "recv_buffer_size": recv_buffer_size,
+    }
 
 
 @asynccontextmanager
@@ -61,6 +69,7 @@ async def _sender(
     max_batch_messages: int,
     max_batch_bytes: int,
     linger: float,
+    signer: FrameSigner | None,
 ) -> AsyncIterator[MessageSender]:
     codec = codec or Codec()
     address = _attach(socket, listen, dial)
@@ -72,6 +81,7 @@ async def _sender(
         max_batch_messages=max_batch_messages,
         max_batch_bytes=max_batch_bytes,
         linger=linger,
+        signer=signer,
     )
     async with anyio.create_task_group() as group:
         await group.start(sender.run_flusher)
@@ -90,6 +100,7 @@ def open_push(
     max_batch_messages: int = DEFAULT_MAX_BATCH_MESSAGES,
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     linger: float = DEFAULT_LINGER,
+    signer: FrameSigner | None = None,
 ) -> Any:
     """`async with open_push(dial=...) as tx`: a batching PUSH `MessageSender`."""
     return _sender(
@@ -101,6 +112,7 @@ def open_push(
         max_batch_messages=max_batch_messages,
         max_batch_bytes=max_batch_bytes,
         linger=linger,
+        signer=signer,
     )
 
 
@@ -112,6 +124,7 @@ def open_pub(
     max_batch_messages: int = DEFAULT_MAX_BATCH_MESSAGES,
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     linger: float = DEFAULT_LINGER,
+    signer: FrameSigner | None = None,
 ) -> Any:
     """`async with open_pub(listen=...) as pub`: `await pub.publish(topic, message)`."""
     return _sender(
@@ -123,6 +136,7 @@ def open_pub(
         max_batch_messages=max_batch_messages,
         max_batch_bytes=max_batch_bytes,
         linger=linger,
+        signer=signer,
     )
 
 
@@ -136,6 +150,7 @@ async def _receiver(
     topics: bool,
     expected_end_of_streams: int,
     on_invalid: InvalidHandler | None,
+    signer: FrameSigner | None,
 ) -> AsyncIterator[MessageReceiver]:
     io = NngIO(socket)
     reader = _FrameReader(
@@ -144,6 +159,7 @@ async def _receiver(
         topics=topics,
         expected_end_of_streams=expected_end_of_streams,
         on_invalid=on_invalid,
+        signer=signer,
     )
     address = _attach(socket, listen, dial)
     receiver = MessageReceiver(io, reader, address=address, topics=topics)
@@ -161,6 +177,7 @@ def open_pull(
     recv_buffer_size: int = DEFAULT_RECV_BUFFER,
     expected_end_of_streams: int = 1,
     on_invalid: InvalidHandler | None = None,
+    signer: FrameSigner | None = None,
 ) -> Any:
     """`async with open_pull(listen=...) as rx`: a PULL `MessageReceiver`."""
     codec = codec or Codec()
@@ -172,6 +189,7 @@ def open_pull(
         topics=False,
         expected_end_of_streams=expected_end_of_streams,
         on_invalid=on_invalid,
+        signer=signer,
     )
 
 
@@ -184,6 +202,7 @@ def open_sub(
     recv_buffer_size: int = DEFAULT_RECV_BUFFER,
     expected_end_of_streams: int = 1,
     on_invalid: InvalidHandler | None = None,
+    signer: FrameSigner | None = None,
 ) -> Any:
     """`async with open_sub(dial=..., topics=["stats"]) as sub`: a SUB `MessageReceiver`.
 
@@ -201,6 +220,7 @@ def open_sub(
         topics=True,
         expected_end_of_streams=expected_end_of_streams,
         on_invalid=on_invalid,
+        signer=signer,
     )
 
 
@@ -213,9 +233,10 @@ async def _stream(
     codec: Codec | None,
     on_invalid: InvalidHandler | None = None,
     request_reply: bool = False,
+    signer: FrameSigner | None = None,
 ) -> AsyncIterator[MessageStream]:
     codec = codec or Codec()
-    socket.recv_max_size = codec.max_message_size
+    socket.recv_max_size = codec.max_message_size + SIGNATURE_SIZE
     io = NngIO(socket)
     reader = _FrameReader(
         io,
@@ -224,8 +245,10 @@ async def _stream(
         expected_end_of_streams=1,
         on_invalid=on_invalid,
         request_reply=request_reply,
+        signer=signer,
     )
-    stream = MessageStream(io, reader, codec, address=_attach(socket, listen, dial))
+    address = _attach(socket, listen, dial)
+    stream = MessageStream(io, reader, codec, address=address, signer=signer)
     try:
         yield stream
     finally:
@@ -233,17 +256,27 @@ async def _stream(
 
 
 def open_pair(
-    *, listen: str | None = None, dial: str | None = None, codec: Codec | None = None
+    *,
+    listen: str | None = None,
+    dial: str | None = None,
+    codec: Codec | None = None,
+    signer: FrameSigner | None = None,
 ) -> Any:
     """`async with open_pair(...) as stream`: a bidirectional PAIR `MessageStream`."""
-    return _stream(pynng.Pair0(), listen=listen, dial=dial, codec=codec)
+    return _stream(pynng.Pair0(), listen=listen, dial=dial, codec=codec, signer=signer)
 
 
 def open_req(
-    *, listen: str | None = None, dial: str | None = None, codec: Codec | None = None
+    *,
+    listen: str | None = None,
+    dial: str | None = None,
+    codec: Codec | None = None,
+    signer: FrameSigner | None = None,
 ) -> Any:
     """REQ: `send` one request, then `receive` its reply."""
-    return _stream(pynng.Req0(), listen=listen, dial=dial, codec=codec, request_reply=True)
+    return _stream(
+        pynng.Req0(), listen=listen, dial=dial, codec=codec, request_reply=True, signer=signer
+    )
 
 
 def open_rep(
@@ -252,6 +285,7 @@ def open_rep(
     dial: str | None = None,
     codec: Codec | None = None,
     on_invalid: InvalidHandler | None = None,
+    signer: FrameSigner | None = None,
 ) -> Any:
     """REP: `receive` a request, then `send` its reply. With `on_invalid`, a request that
     fails to decode goes there and is skipped (nng drops it unanswered: a REP socket
@@ -263,4 +297,5 @@ def open_rep(
         codec=codec,
         on_invalid=on_invalid,
         request_reply=True,
+        signer=signer,
     )

@@ -43,6 +43,7 @@ import anyio.lowlevel
 from .builtin_messages import EndOfStream, StreamBarrier
 from .codec import Codec
 from .errors import DecodeError, MessageTooLargeError
+from .frame_signer import FrameSigner
 from .nng_io import NngIO
 
 TOPIC_SEPARATOR = b"\x00"
@@ -64,6 +65,7 @@ class _FrameReader:
         expected_end_of_streams: int,
         on_invalid: InvalidHandler | None,
         request_reply: bool = False,
+        signer: FrameSigner | None = None,
     ) -> None:
         if expected_end_of_streams < 1:
             raise ValueError(f"expected_end_of_streams must be >= 1, got {expected_end_of_streams}")
@@ -75,6 +77,7 @@ class _FrameReader:
         # REQ/REP: each frame is one request or reply, answered one by one; a batch or
         # an end marker there is as invalid as any stray frame.
         self._request_reply = request_reply
+        self._signer = signer
         self._ended_pipes: set[int] = set()
         self._ready: deque[tuple[str, Any]] = deque()
         self._since_yield = 0
@@ -130,6 +133,8 @@ class _FrameReader:
             except UnicodeDecodeError:
                 raise DecodeError("PUB frame topic is not UTF-8") from None
             frame = frame[cut + 1 :]
+        if self._signer is not None:
+            frame = self._signer.verify(frame)
         if self._request_reply:
             message = self._codec.decode(frame)
             if type(message) is EndOfStream:
@@ -173,6 +178,7 @@ class MessageSender(anyio.abc.ObjectSendStream[Any]):
         max_batch_messages: int,
         max_batch_bytes: int,
         linger: float,
+        signer: FrameSigner | None = None,
     ) -> None:
         if max_batch_messages < 1 or max_batch_bytes < 1:
             raise ValueError("max_batch_messages and max_batch_bytes must be positive")
@@ -183,6 +189,7 @@ class MessageSender(anyio.abc.ObjectSendStream[Any]):
         self._max_messages = max_batch_messages
         self._max_bytes = min(max_batch_bytes, codec.max_message_size)
         self._linger = linger
+        self._signer = signer
         self._pending: list[tuple[str, bytes]] = []
         self._pending_bytes = 0
         self._since_check = 0
@@ -264,6 +271,8 @@ class MessageSender(anyio.abc.ObjectSendStream[Any]):
             self._pending_bytes -= sum(map(len, encoded))
 
     async def _send_now(self, topic: str, frame: bytes) -> None:
+        if self._signer is not None:
+            frame = self._signer.sign(frame)
         if self._topics:
             frame = topic.encode() + TOPIC_SEPARATOR + frame
         await self._io.send(frame)
@@ -362,9 +371,18 @@ class MessageReceiver(anyio.abc.ObjectReceiveStream[Any]):
 class MessageStream(anyio.abc.ObjectStream[Any]):
     """PAIR, REQ or REP: one frame per message, both directions."""
 
-    def __init__(self, io: NngIO, reader: _FrameReader, codec: Codec, *, address: str) -> None:
+    def __init__(
+        self,
+        io: NngIO,
+        reader: _FrameReader,
+        codec: Codec,
+        *,
+        address: str,
+        signer: FrameSigner | None = None,
+    ) -> None:
         self.address = address
         self.codec = codec
+        self._signer = signer
         self._io = io
         self._reader = reader
         self._eof_sent = False
@@ -384,15 +402,18 @@ class MessageStream(anyio.abc.ObjectStream[Any]):
             raise MessageTooLargeError(
                 f"message of {len(frame)} bytes exceeds max_message_size {self.codec.max_message_size}"
             )
-        await self._io.send(frame)
+        await self._send_frame(frame)
 
     async def receive(self) -> Any:
         return (await self._reader.receive())[1]
 
     async def send_eof(self) -> None:
         if not self._eof_sent and not self._io.closed:
-            await self._io.send(self.codec.encode(EndOfStream()))
+            await self._send_frame(self.codec.encode(EndOfStream()))
             self._eof_sent = True
+
+    async def _send_frame(self, frame: bytes) -> None:
+        await self._io.send(frame if self._signer is None else self._signer.sign(frame))
 
     async def aclose(self) -> None:
         self._io.close()
