@@ -9,12 +9,15 @@ thread (so both sides share a core):
       recommended for the engine (see wavecore.channels), `step_rows_round_us` the
       row-per-request shape (`RowStepOutputs` of `Output`s);
   (c) one 16 MiB float32 tensor, GB/s.
+Ours runs twice: plain, and with every frame signed and verified (`frame_signer`), as
+the engine's channels are.
 Prints a table with ratios and writes bench/results/channels.json. `--quick` for smoke runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -27,7 +30,14 @@ import numpy as np
 import torch
 import zmq
 
-from wavecore.channels import Codec, MessageRegistry, open_pull, open_push
+from wavecore.channels import (
+    ChannelKey,
+    Codec,
+    FrameSigner,
+    MessageRegistry,
+    open_pull,
+    open_push,
+)
 
 registry = MessageRegistry()
 
@@ -122,10 +132,18 @@ def _outputs(step: int) -> StepOutputs:
     )
 
 
-async def ours(requests: int, steps: int, tensor_rounds: int) -> dict[str, float]:
+async def ours(
+    requests: int, steps: int, tensor_rounds: int, *, signed: bool = False
+) -> dict[str, float]:
+    """`signed`: every frame signed and verified with a channel key, as the engine's are."""
     results: dict[str, float] = {}
-    async with open_pull(listen="tcp://127.0.0.1:0", codec=codec) as rx:  # noqa: SIM117 - the inner channel dials the outer one's address
-        async with open_push(dial=rx.address, codec=codec) as tx:
+    key = ChannelKey.generate()
+
+    def signer() -> FrameSigner | None:
+        return key.signer("bench") if signed else None
+
+    async with open_pull(listen="tcp://127.0.0.1:0", codec=codec, signer=signer()) as rx:  # noqa: SIM117 - the inner channel dials the outer one's address
+        async with open_push(dial=rx.address, codec=codec, signer=signer()) as tx:
             await tx.wait_connected()
 
             async def drain(count: int) -> None:
@@ -272,12 +290,18 @@ def main() -> None:
     requests, steps, tensor_rounds = (2000, 10, 2) if args.quick else (50_000, 200, 10)
     table = {
         "wavecore+cbor2": anyio.run(ours, requests, steps, tensor_rounds, backend="asyncio"),
+        "wavecore signed": anyio.run(
+            functools.partial(ours, signed=True), requests, steps, tensor_rounds, backend="asyncio"
+        ),
         "zmq+msgpack": zmq_peer(requests, steps, tensor_rounds, "msgpack"),
         "zmq+msgspec": zmq_peer(requests, steps, tensor_rounds, "msgspec"),
     }
     peer = table["zmq+msgpack"]
+    ours_plain = table["wavecore+cbor2"]
     print(
-        f"{'metric':<16}" + "".join(f"{name:>18}" for name in table) + f"{'ours/zmq+msgpack':>20}"
+        f"{'metric':<16}"
+        + "".join(f"{name:>18}" for name in table)
+        + f"{'ours/zmq+msgpack':>20}{'signed/unsigned':>18}"
     )
     for metric, unit in (
         ("intake_per_s", "req/s"),
@@ -286,9 +310,9 @@ def main() -> None:
         ("tensor_gb_s", "GB/s"),
     ):
         row = "".join(f"{values[metric]:>18.3f}" for values in table.values())
-        print(
-            f"{metric + ' (' + unit + ')':<16}{row}{table['wavecore+cbor2'][metric] / peer[metric]:>20.2f}"
-        )
+        ratio = ours_plain[metric] / peer[metric]
+        signed_ratio = table["wavecore signed"][metric] / ours_plain[metric]
+        print(f"{metric + ' (' + unit + ')':<16}{row}{ratio:>20.2f}{signed_ratio:>18.2f}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "quick": args.quick,

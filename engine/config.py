@@ -57,6 +57,10 @@ class EngineConfig:
     for the timeout (stopped, hung, unreachable) is lost as if it had died, and a
     headless rank (`wavecore rank`) whose front end is silent that long exits. The
     timeout must be at least twice the interval; every rank must share both.
+    `channel_key_file`: a file holding the key (hex) every channel between the front
+    end, the coordinator and the ranks is signed with (`engine/dp/channel_key.py`);
+    without it (and without $WAVECORE_CHANNEL_KEY) each engine makes a key of its own,
+    which headless ranks cannot know: they need the file or the variable.
 
     `weights="auto"` and `dtype="auto"` (the defaults), on the CPU: each shape class
     (batch-1 decode, small and large batches, prefill) runs the fastest of float32,
@@ -122,6 +126,7 @@ class EngineConfig:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0
     restart_ranks: bool = False
+    channel_key_file: str | None = None
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -205,6 +210,11 @@ class EngineConfig:
         if self.dp_mode not in ("lockstep", "independent"):
             raise ValueError(
                 f"EngineConfig.dp_mode must be 'lockstep' or 'independent', got {self.dp_mode!r}"
+            )
+        key_file = self.channel_key_file
+        if key_file is not None and (not isinstance(key_file, str) or not key_file):
+            raise ValueError(
+                f"EngineConfig.channel_key_file must be a path or None, got {key_file!r}"
             )
         if self.transport not in ("ipc", "tcp"):
             raise ValueError(

@@ -63,6 +63,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_timeout=args.heartbeat_timeout,
             restart_ranks=getattr(args, "restart_ranks", False),
+            channel_key_file=args.channel_key_file,
             log_iteration_details=args.log_iteration_details,
             # Ranks started elsewhere connect over tcp; the transport is not hashed.
             transport="tcp" if getattr(args, "dp_master", None) else "ipc",
@@ -278,12 +279,17 @@ def cmd_rank(args: argparse.Namespace) -> int:
     """Run one headless rank that joins the front end at `--master`; ends the process
     with it (exit code 3 when the front end went silent for --heartbeat-timeout)."""
     from wavecore.engine.core.engine_core import EngineCore
+    from wavecore.engine.dp.channel_key import engine_channel_key
     from wavecore.engine.dp.rank_process import rank_main
 
     if not 0 <= args.dp_rank < args.dp:
         raise UsageError(f"--dp-rank {args.dp_rank} is outside --dp-size {args.dp}")
     config = _engine_config(args)
-    rank_main(f"tcp://{args.master}", args.dp_rank, config, EngineCore.from_config)
+    try:
+        key = engine_channel_key(config, headless=True)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    rank_main(f"tcp://{args.master}", args.dp_rank, config, EngineCore.from_config, key)
 
 
 def summary_table(
@@ -416,6 +422,13 @@ def _add_rank_behaviour_flags(group: argparse._ActionsContainer) -> None:
     group.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K")
     group.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N")
     group.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N")
+    group.add_argument(
+        "--channel-key-file",
+        metavar="FILE",
+        help="the key (hex) every channel between front end, coordinator and ranks is "
+        "signed with: the same file on every machine (or $WAVECORE_CHANNEL_KEY); "
+        "needed where ranks start elsewhere",
+    )
     group.add_argument(
         "--heartbeat-interval",
         type=float,

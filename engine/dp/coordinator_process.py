@@ -28,8 +28,13 @@ from typing import Any
 
 import anyio
 
-from wavecore.channels import MessageSender, open_pub, open_pull, open_req
+from wavecore.channels import ChannelKey, MessageSender, open_pub, open_pull, open_req
 from wavecore.engine import messages as m
+from wavecore.engine.dp.channel_key import (
+    COORDINATOR_HANDSHAKE,
+    COORDINATOR_INPUT,
+    COORDINATOR_PUBLISH,
+)
 from wavecore.engine.dp.invalid_frames import InvalidFrameLog
 from wavecore.engine.dp.parent_watch import exit_with_parent
 from wavecore.statemachines.coordinator import (
@@ -48,7 +53,11 @@ STATE_INTERVAL_S = 0.1
 
 
 def coordinator_main(
-    handshake_address: str, dp_size: int, listen_base: str, ipc_directory: str | None
+    handshake_address: str,
+    dp_size: int,
+    listen_base: str,
+    ipc_directory: str | None,
+    channel_key: ChannelKey,
 ) -> None:
     """The spawned process's entry point; `listen_base` is an ipc prefix or tcp host, and
     `ipc_directory` the directory of the ipc sockets (None with tcp)."""
@@ -58,7 +67,7 @@ def coordinator_main(
         else None
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the client's to handle
-    anyio.run(_run_coordinator, handshake_address, dp_size, listen_base)
+    anyio.run(_run_coordinator, handshake_address, dp_size, listen_base, channel_key)
 
 
 def _listen_address(listen_base: str, name: str) -> str:
@@ -76,17 +85,25 @@ _EVENTS: dict[type, Callable[[Any], object]] = {
 }
 
 
-async def _run_coordinator(handshake_address: str, dp_size: int, listen_base: str) -> None:
+async def _run_coordinator(
+    handshake_address: str, dp_size: int, listen_base: str, key: ChannelKey
+) -> None:
     invalid = InvalidFrameLog("coordinator input")
     async with (
         open_pull(
             listen=_listen_address(listen_base, "coordinator-in"),
             expected_end_of_streams=dp_size + 1,
             on_invalid=invalid,
+            signer=key.signer(COORDINATOR_INPUT),
         ) as inputs,
-        open_pub(listen=_listen_address(listen_base, "coordinator-pub"), linger=0.2) as pub,
+        open_pub(
+            listen=_listen_address(listen_base, "coordinator-pub"),
+            linger=0.2,
+            signer=key.signer(COORDINATOR_PUBLISH),
+        ) as pub,
     ):
-        async with open_req(dial=handshake_address) as handshake:
+        signer = key.signer(COORDINATOR_HANDSHAKE)
+        async with open_req(dial=handshake_address, signer=signer) as handshake:
             await handshake.send(
                 m.CoordinatorHello(
                     pid=os.getpid(), input_address=inputs.address, publish_address=pub.address

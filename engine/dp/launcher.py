@@ -38,7 +38,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -47,6 +47,7 @@ import anyio
 import anyio.to_thread
 
 from wavecore.channels import (
+    ChannelKey,
     MessageReceiver,
     MessageSender,
     MessageStream,
@@ -58,6 +59,15 @@ from wavecore.channels import (
 )
 from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
+from wavecore.engine.dp.channel_key import (
+    COORDINATOR_HANDSHAKE,
+    COORDINATOR_INPUT,
+    COORDINATOR_PUBLISH,
+    RANK_HANDSHAKE,
+    RANK_OUTPUTS,
+    engine_channel_key,
+    rank_input,
+)
 from wavecore.engine.dp.coordinator_process import coordinator_main
 from wavecore.engine.dp.exit_status import describe_exit, wait_for_exits
 from wavecore.engine.dp.invalid_frames import InvalidFrameLog
@@ -113,6 +123,8 @@ class DPWiring:
     members_issued: int = 0
     # Members a shrink dropped: a headless one may still be running.
     dropped: set[int] = field(default_factory=set)
+    # What every channel of this engine is signed with (`channel_key`).
+    channel_key: ChannelKey = field(default_factory=ChannelKey.generate)
 
     def new_members(self, count: int) -> list[int]:
         """Member ids for `count` new ranks, never handed out before."""
@@ -167,6 +179,13 @@ def _host_store(config: EngineConfig, host: str) -> Any:
         raise
 
 
+def open_rank_input(
+    key: ChannelKey, address: str, *, member: int
+) -> AbstractAsyncContextManager[MessageSender]:
+    """The input of the rank that is `member`: the front end's PUSH channel."""
+    return open_push(listen=address, linger=0.5, signer=key.signer(rank_input(member)))
+
+
 def _split_master(master: str | None, config: EngineConfig) -> tuple[str, int]:
     if master is None:
         return "127.0.0.1", 0
@@ -201,9 +220,10 @@ async def open_dp_processes(
     seen when they fail, not by a process watch.
     """
     host, port = _split_master(master, config)
+    spawned = range(config.dp_size) if local_ranks is None else sorted(set(local_ranks))
+    key = engine_channel_key(config, headless=len(spawned) < config.dp_size)
     addresses = _Addresses(config.transport, host)
     store = _host_store(config, host)
-    spawned = range(config.dp_size) if local_ranks is None else sorted(set(local_ranks))
     processes: dict[str, BaseProcess] = {}
     started = False
     watcher = ProcessWatcher()
@@ -215,13 +235,19 @@ async def open_dp_processes(
                 InvalidFrameLog("client handshake"),
             ]
             coordinator_rep = await stack.enter_async_context(
-                open_rep(listen=addresses.listen("coordinator-handshake"), on_invalid=invalid[2])
+                open_rep(
+                    listen=addresses.listen("coordinator-handshake"),
+                    on_invalid=invalid[2],
+                    signer=key.signer(COORDINATOR_HANDSHAKE),
+                )
             )
             rank_handshake = (
                 f"tcp://{host}:{port}" if master else addresses.listen("rank-handshake")
             )
             rank_rep = await stack.enter_async_context(
-                open_rep(listen=rank_handshake, on_invalid=invalid[2])
+                open_rep(
+                    listen=rank_handshake, on_invalid=invalid[2], signer=key.signer(RANK_HANDSHAKE)
+                )
             )
             if on_listening is not None:
                 on_listening(rank_rep.address)
@@ -231,11 +257,13 @@ async def open_dp_processes(
                     expected_end_of_streams=config.dp_size,
                     recv_buffer_size=256,
                     on_invalid=invalid[0],
+                    signer=key.signer(RANK_OUTPUTS),
                 )
             )
+            # Member ids as `DPWiring.new_members` hands them out first: 0 to dp_size - 1.
             to_ranks = [
                 await stack.enter_async_context(
-                    open_push(listen=addresses.listen(f"rank{rank}-in"), linger=0.5)
+                    open_rank_input(key, addresses.listen(f"rank{rank}-in"), member=rank)
                 )
                 for rank in range(config.dp_size)
             ]
@@ -247,6 +275,7 @@ async def open_dp_processes(
                     config.dp_size,
                     addresses.base,
                     addresses.directory,
+                    key,
                 ),
                 name="wavecore-dp-coordinator",
                 daemon=True,
@@ -255,7 +284,7 @@ async def open_dp_processes(
                 rank_config = (rank_configs or {}).get(rank, config)
                 processes[process_name(rank)] = context.Process(
                     target=rank_main,
-                    args=(rank_rep.address, rank, rank_config, build_core),
+                    args=(rank_rep.address, rank, rank_config, build_core, key),
                     name=f"wavecore-dp-rank{rank}",
                     daemon=True,
                 )
@@ -273,6 +302,7 @@ async def open_dp_processes(
                 ipc_directory=addresses.directory,
             )
             wiring.rank_handshake = rank_rep
+            wiring.channel_key = key
             wiring.store = store
             wiring.host = host
             wiring.listen = addresses.listen
@@ -386,13 +416,18 @@ async def _startup(
         raise DPStartupError(f"{name} ended during startup ({describe_exit(code)})")
     # Opened here, outside the startup's cancel scopes, since they outlive them.
     wiring.to_coordinator = await stack.enter_async_context(
-        open_push(dial=wiring.addresses["coordinator_input"], linger=0.5)
+        open_push(
+            dial=wiring.addresses["coordinator_input"],
+            linger=0.5,
+            signer=wiring.channel_key.signer(COORDINATOR_INPUT),
+        )
     )
     wiring.coordinator_state = await stack.enter_async_context(
         open_sub(
             dial=wiring.addresses["coordinator_publish"],
             topics=[m.STATE_TOPIC],
             on_invalid=wiring.invalid_frames[1],
+            signer=wiring.channel_key.signer(COORDINATOR_PUBLISH),
         )
     )
     with anyio.fail_after(config.startup_timeout):

@@ -47,6 +47,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from wavecore.channels import (
+    ChannelKey,
     MessageReceiver,
     config_hash,
     open_pull,
@@ -59,6 +60,13 @@ from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.core.model_thread import ModelThread
 from wavecore.engine.core.rank_runner import DPGroupHandle, GroupJoiner, RankRunner, Shutdown, Sink
+from wavecore.engine.dp.channel_key import (
+    COORDINATOR_INPUT,
+    COORDINATOR_PUBLISH,
+    RANK_HANDSHAKE,
+    RANK_OUTPUTS,
+    rank_input,
+)
 from wavecore.engine.dp.heartbeat import FRONT_END_LOST_EXIT, FrontEndWatch
 from wavecore.engine.dp.invalid_frames import InvalidFrameLog
 from wavecore.engine.dp.invalid_frames import counts as invalid_frame_counts
@@ -68,9 +76,12 @@ from wavecore.statemachines import RankMachine
 BuildCore = Callable[[EngineConfig], EngineCore]
 
 
-# How a rank was reached, how long it may take to start, how far the client may scale
-# and whether it restarts lost ranks change nothing a rank computes.
-_DEPLOYMENT_FIELDS = frozenset({"transport", "startup_timeout", "max_dp_size", "restart_ranks"})
+# How a rank was reached, how long it may take to start, how far the client may scale,
+# whether it restarts lost ranks and where each machine keeps the channel key change
+# nothing a rank computes.
+_DEPLOYMENT_FIELDS = frozenset(
+    {"transport", "startup_timeout", "max_dp_size", "restart_ranks", "channel_key_file"}
+)
 
 
 def describe_config(config: EngineConfig) -> dict[str, str]:
@@ -83,7 +94,11 @@ def describe_config(config: EngineConfig) -> dict[str, str]:
 
 
 def rank_main(
-    handshake_address: str, rank: int, config: EngineConfig, build_core: BuildCore
+    handshake_address: str,
+    rank: int,
+    config: EngineConfig,
+    build_core: BuildCore,
+    channel_key: ChannelKey,
 ) -> NoReturn:
     """The spawned process's entry point (also `wavecore rank`'s, which has no parent
     process to watch). It ends the process (rule 7), with exit code 0, or
@@ -95,7 +110,7 @@ def rank_main(
         timeout=config.heartbeat_timeout,
         judges=parent_process() is None,  # headless: no parent watch ends it
     )
-    anyio.run(_run_rank, handshake_address, rank, config, build_core, watch)
+    anyio.run(_run_rank, handshake_address, rank, config, build_core, channel_key, watch)
     _leave_process(FRONT_END_LOST_EXIT if watch.lost else 0)
 
 
@@ -112,9 +127,10 @@ async def _run_rank(
     rank: int,
     config: EngineConfig,
     build_core: BuildCore,
+    key: ChannelKey,
     watch: FrontEndWatch,
 ) -> None:
-    async with open_req(dial=handshake_address) as handshake:
+    async with open_req(dial=handshake_address, signer=key.signer(RANK_HANDSHAKE)) as handshake:
         await handshake.send(m.RankHello(rank=rank, pid=os.getpid()))
         reply = await handshake.receive()
         if not reply.accepted or reply.assignment is None:
@@ -127,20 +143,33 @@ async def _run_rank(
                 invalid = InvalidFrameLog(f"rank {rank} input")
                 invalid_waves = InvalidFrameLog(f"rank {rank} wave subscription")
                 inputs = await stack.enter_async_context(
-                    open_pull(dial=assignment.input_address, on_invalid=invalid)
+                    open_pull(
+                        dial=assignment.input_address,
+                        on_invalid=invalid,
+                        signer=key.signer(rank_input(assignment.member)),
+                    )
                 )
                 waves = await stack.enter_async_context(
                     open_sub(
                         dial=assignment.coordinator_publish_address,
                         topics=[m.WAVE_TOPIC],
                         on_invalid=invalid_waves,
+                        signer=key.signer(COORDINATOR_PUBLISH),
                     )
                 )
                 outputs = await stack.enter_async_context(
-                    open_push(dial=assignment.output_address, linger=0.5)
+                    open_push(
+                        dial=assignment.output_address,
+                        linger=0.5,
+                        signer=key.signer(RANK_OUTPUTS),
+                    )
                 )
                 coordinator = await stack.enter_async_context(
-                    open_push(dial=assignment.coordinator_input_address, linger=0.5)
+                    open_push(
+                        dial=assignment.coordinator_input_address,
+                        linger=0.5,
+                        signer=key.signer(COORDINATOR_INPUT),
+                    )
                 )
                 try:
                     core = await model_thread.run(build_core, config)

@@ -50,12 +50,13 @@ import contextlib
 import math
 import multiprocessing
 from collections.abc import Iterator
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
 
-from wavecore.channels import MessageSender, open_push
+from wavecore.channels import MessageSender
 from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.dp.capacity import dp_capacity
@@ -65,6 +66,7 @@ from wavecore.engine.dp.launcher import (
     DPStartupError,
     DPWiring,
     answer_rank,
+    open_rank_input,
     process_name,
     rank_assignment,
     reap,
@@ -469,9 +471,10 @@ class Scaler:
         first = ranks[0]
         self._generation += 1
         await self._expect_ends(len(ranks))
-        for rank in ranks:
+        members = wiring.new_members(len(ranks))
+        for rank, member in zip(ranks, members, strict=True):
             address = wiring.listen(f"rank{rank}-in-g{self._generation}")
-            self._starting.append(await self._open_sender(address))
+            self._starting.append(await self._open_sender(address, member))
         context = multiprocessing.get_context("spawn")
         for rank in ranks:
             process = context.Process(
@@ -481,6 +484,7 @@ class Scaler:
                     rank,
                     wiring.rank_configs.get(rank, config),
                     wiring.build_core,
+                    wiring.channel_key,
                 ),
                 name=f"wavecore-dp-rank{rank}",
                 daemon=True,
@@ -491,7 +495,6 @@ class Scaler:
         if self._watches is not None:
             self._watch_scope = anyio.CancelScope()
             self._watches.start_soon(self._watch_new_ranks, ranks, self._watch_scope)
-        members = wiring.new_members(len(ranks))
         self._losses.joining.update(members)
         expected = describe_config(config)
         ready: set[int] = set()
@@ -644,11 +647,12 @@ class Scaler:
         if token == self._ends_token:
             self._ends_expected.set()
 
-    async def _open_sender(self, address: str) -> MessageSender:
+    async def _open_sender(self, address: str, member: int) -> MessageSender:
         if self._hosts is None:
             raise ScalingRefusedError("the engine's scaling service is not running")
         closed = anyio.Event()
-        sender: MessageSender = await self._hosts.start(_host_sender, address, closed)
+        opened = open_rank_input(self._wiring.channel_key, address, member=member)
+        sender: MessageSender = await self._hosts.start(_host_sender, opened, closed)
         self._sender_closed[id(sender)] = closed
         return sender
 
@@ -718,9 +722,13 @@ def _sole(error: BaseException) -> BaseException:
 
 
 async def _host_sender(
-    address: str, closed: anyio.Event, *, task_status: anyio.abc.TaskStatus[MessageSender]
+    opened: AbstractAsyncContextManager[MessageSender],
+    closed: anyio.Event,
+    *,
+    task_status: anyio.abc.TaskStatus[MessageSender],
 ) -> None:
-    """One new rank's input, open until its rank leaves (`closed`) or the engine ends."""
-    async with open_push(listen=address, linger=0.5) as sender:
+    """One new rank's input (`open_rank_input`), open until its rank leaves (`closed`)
+    or the engine ends."""
+    async with opened as sender:
         task_status.started(sender)
         await closed.wait()

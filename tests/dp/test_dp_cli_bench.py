@@ -12,6 +12,7 @@ import anyio
 import pytest
 from dp_helpers import collect, expected_tokens, wiring_of
 
+from wavecore.channels import ChannelKey
 from wavecore.engine.cli.main import main
 from wavecore.engine.config import EngineConfig
 
@@ -60,17 +61,27 @@ def test_dp_benchmark_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_headless_rank_joins_the_front_end_over_tcp() -> None:
+async def test_a_headless_rank_joins_the_front_end_over_tcp(tmp_path: Path) -> None:
+    """Both sides read the engine's channel key from the same file."""
     from wavecore.engine.api import open_dp_engine
     from wavecore.engine.sampling_params import SamplingParams
 
-    config = EngineConfig(executor="null", dp_size=2, dp_mode="lockstep", transport="tcp")
+    key_file = tmp_path / "channel.key"
+    key_file.write_text(ChannelKey.generate().hex())
+    config = EngineConfig(
+        executor="null",
+        dp_size=2,
+        dp_mode="lockstep",
+        transport="tcp",
+        channel_key_file=str(key_file),
+    )
     joined: list[subprocess.Popen[bytes]] = []
 
     def start_rank(address: str) -> None:
         master = address.removeprefix("tcp://")
         argv = ["rank", "--dp-rank", "1", "--dp-size", "2", "--master", master]
         argv += ["--executor", "null", "--dp-mode", "lockstep"]
+        argv += ["--channel-key-file", str(key_file)]
         code = f"import sys; from wavecore.engine.cli.main import main; sys.exit(main({argv!r}))"
         joined.append(subprocess.Popen([sys.executable, "-c", code]))
 

@@ -33,7 +33,7 @@ from wavecore.engine.errors import EngineDeadError
 from wavecore.engine.interface import Engine
 from wavecore.engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("shared_channel_key")]
 
 QUICK = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
 LOST = "rank 1 lost (rank 1 sent no heartbeat for "

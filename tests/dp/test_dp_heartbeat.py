@@ -38,7 +38,7 @@ from wavecore.engine.errors import EngineDeadError
 from wavecore.engine.executors.batch import ModelBatch
 from wavecore.engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("shared_channel_key")]
 
 # Short enough for quick tests, long enough that a healthy rank on a loaded machine
 # never reads as silent.

@@ -1,7 +1,10 @@
 """No frame crashes a receiver: every receiving socket of a dp 2 engine (the front end's
 outputs, the coordinator's input, the handshakes, a rank's input) is driven with random,
 empty, truncated, mutated and replayed frames while requests run, and every request
-still ends exactly as it would have; each drop is counted where `stats()` shows it."""
+still ends exactly as it would have; each drop is counted where `stats()` shows it.
+Every other frame a stranger sends is signed with the engine's key: unsigned frames are
+refused unread, and the signed ones test what a receiver does with bad frames from a
+peer that holds the key."""
 
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ import pynng
 import pytest
 from dp_helpers import HANG_GUARD, VOCAB, collect, expected_tokens, null_config, wiring_of
 
-from wavecore.channels import Codec, EndOfStream
+from wavecore.channels import Codec, EndOfStream, FrameSigner
 from wavecore.engine import messages as m
 from wavecore.engine.api import open_dp_engine
+from wavecore.engine.dp.channel_key import COORDINATOR_INPUT, RANK_HANDSHAKE, RANK_OUTPUTS
 from wavecore.engine.dp.launcher import _host_store
 from wavecore.engine.sampling_params import SamplingParams
 
@@ -103,17 +107,21 @@ def _frames(rng: random.Random, valid: list[object], count: int) -> list[bytes]:
 
 
 class _Stranger:
-    """One connection a stranger keeps to a socket: nng tells its frames apart from the
-    engine's own by the connection (pipe), so each counts one end-of-stream marker at most
-    (telling a stranger's first marker from a rank's needs authentication)."""
+    """One connection a stranger keeps to a socket, signing every other frame with
+    `signer` (the engine's key for that channel): nng tells its frames apart from the
+    engine's own by the connection (pipe), so each counts one end-of-stream marker at
+    most."""
 
-    def __init__(self, socket: pynng.Socket) -> None:
+    def __init__(self, socket: pynng.Socket, signer: FrameSigner) -> None:
         self._socket = socket
+        self._signer = signer
         self._lock = anyio.Lock()
 
     async def send(self, frames: list[bytes]) -> None:
         async with self._lock:
-            for frame in frames:
+            for index, frame in enumerate(frames):
+                if index % 2:
+                    frame = self._signer.sign(frame)
                 try:
                     await anyio.to_thread.run_sync(self._socket.send, frame)
                 except pynng.Timeout:
@@ -136,11 +144,19 @@ async def test_hostile_frames_on_every_socket_change_no_request() -> None:
             addresses = wiring.addresses
 
             # A REQ socket abandons its request when it sends the next: no reply awaited.
-            outputs = _Stranger(pynng.Push0(dial=addresses["outputs"], send_timeout=20_000))
-            coordinator = _Stranger(
-                pynng.Push0(dial=addresses["coordinator_input"], send_timeout=20_000)
+            key = wiring.channel_key
+            outputs = _Stranger(
+                pynng.Push0(dial=addresses["outputs"], send_timeout=20_000),
+                key.signer(RANK_OUTPUTS),
             )
-            handshake = _Stranger(pynng.Req0(dial=addresses["rank_handshake"], send_timeout=500))
+            coordinator = _Stranger(
+                pynng.Push0(dial=addresses["coordinator_input"], send_timeout=20_000),
+                key.signer(COORDINATOR_INPUT),
+            )
+            handshake = _Stranger(
+                pynng.Req0(dial=addresses["rank_handshake"], send_timeout=500),
+                key.signer(RANK_HANDSHAKE),
+            )
 
             def attacks() -> list[Callable[[], object]]:
                 return [
