@@ -37,8 +37,14 @@ def _message(tag: int):  # type: ignore[no-untyped-def]
 @_message(30602)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankHello:
+    """A rank says it started. Its input listens at `input_address` (the front end dials
+    it: only the rank can receive what is sent there), named `input_channel` for the
+    channel key (`engine/dp/channel_key.py`)."""
+
     rank: int
     pid: int
+    input_address: str
+    input_channel: str
 
 
 @_message(30603)
@@ -50,7 +56,6 @@ class RankAssignment:
     dp_size: int
     lockstep: bool
     sync_interval: int
-    input_address: str
     output_address: str
     coordinator_input_address: str
     coordinator_publish_address: str

@@ -14,7 +14,10 @@ Theory of operation:
    does a headless rank, saying so.
 3. Both ends of a channel name it alike, so that each channel has its own derived key:
    a frame recorded on one channel is refused on every other. A rank's input is named
-   by the rank's member id (`RankAssignment.member`), which a renumbering keeps.
+   by a random id the rank gives in its hello (`RankHello.input_channel`).
+4. A rank's input listens in the rank and the front end dials it, at the address the
+   rank's (signed) hello gives: had the front end listened, whoever connected to that
+   socket would have been handed a share of the rank's requests.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ _NEEDS_KEY = (
 )
 
 
-def rank_input(member: int) -> str:
-    return f"rank input {member}"
+def rank_input(channel: str) -> str:
+    return f"rank input {channel}"
 
 
 def engine_channel_key(config: EngineConfig, *, headless: bool) -> ChannelKey:

@@ -109,7 +109,6 @@ class DPWiring:
     rank_handshake: MessageStream | None = None
     store: Any = None
     host: str = "127.0.0.1"
-    listen: Callable[[str], str] | None = None
     build_core: BuildCore | None = None
     rank_configs: Mapping[int, EngineConfig] = field(default_factory=dict)
     group_prefix: str = ""
@@ -180,10 +179,12 @@ def _host_store(config: EngineConfig, host: str) -> Any:
 
 
 def open_rank_input(
-    key: ChannelKey, address: str, *, member: int
+    key: ChannelKey, hello: m.RankHello
 ) -> AbstractAsyncContextManager[MessageSender]:
-    """The input of the rank that is `member`: the front end's PUSH channel."""
-    return open_push(listen=address, linger=0.5, signer=key.signer(rank_input(member)))
+    """The input of the rank that said `hello`: a PUSH channel that dials the rank's
+    listening input (`channel_key` rule 4)."""
+    signer = key.signer(rank_input(hello.input_channel))
+    return open_push(dial=hello.input_address, linger=0.5, signer=signer)
 
 
 def _split_master(master: str | None, config: EngineConfig) -> tuple[str, int]:
@@ -260,13 +261,7 @@ async def open_dp_processes(
                     signer=key.signer(RANK_OUTPUTS),
                 )
             )
-            # Member ids as `DPWiring.new_members` hands them out first: 0 to dp_size - 1.
-            to_ranks = [
-                await stack.enter_async_context(
-                    open_rank_input(key, addresses.listen(f"rank{rank}-in"), member=rank)
-                )
-                for rank in range(config.dp_size)
-            ]
+            to_ranks: list[MessageSender] = []  # opened once the ranks said hello
             context = multiprocessing.get_context("spawn")
             processes[COORDINATOR] = context.Process(
                 target=coordinator_main,
@@ -305,7 +300,6 @@ async def open_dp_processes(
             wiring.channel_key = key
             wiring.store = store
             wiring.host = host
-            wiring.listen = addresses.listen
             wiring.build_core = build_core
             wiring.rank_configs = dict(rank_configs or {})
             wiring.watcher = watcher
@@ -359,7 +353,7 @@ async def _startup(
     watcher: ProcessWatcher,
 ) -> None:
     expected = describe_config(config)
-    hellos: set[int] = set()
+    hellos: dict[int, m.RankHello] = {}
     ready: set[int] = set()
     group_prefix = f"wavecore-dp-{uuid.uuid4().hex}"
     wiring.group_prefix = group_prefix
@@ -373,20 +367,18 @@ async def _startup(
         wiring.addresses["coordinator_publish"] = hello.publish_address
         while len(ready) < config.dp_size:
             message = await rank_rep.receive()
-            if isinstance(message, m.RankHello):
-                hellos.add(message.rank)
             answered = await answer_rank(
                 rank_rep,
                 message,
                 expected,
                 range(config.dp_size),
                 wiring.invalid_frames[2],
+                hellos,
                 lambda rank: rank_assignment(
                     config,
                     wiring,
                     rank=rank,
                     dp_size=config.dp_size,
-                    input_address=to_ranks[rank].address,
                     group_prefix=group_prefix,
                     member=wiring.members[rank],
                 ),
@@ -415,6 +407,10 @@ async def _startup(
         name, code = watcher.exits[0]
         raise DPStartupError(f"{name} ended during startup ({describe_exit(code)})")
     # Opened here, outside the startup's cancel scopes, since they outlive them.
+    for rank in range(config.dp_size):
+        to_ranks.append(
+            await stack.enter_async_context(open_rank_input(wiring.channel_key, hellos[rank]))
+        )
     wiring.to_coordinator = await stack.enter_async_context(
         open_push(
             dial=wiring.addresses["coordinator_input"],
@@ -440,7 +436,6 @@ def rank_assignment(
     *,
     rank: int,
     dp_size: int,
-    input_address: str,
     group_prefix: str,
     member: int,
     joining: bool = False,
@@ -452,7 +447,6 @@ def rank_assignment(
         dp_size=dp_size,
         lockstep=config.dp_mode == "lockstep",
         sync_interval=config.sync_interval,
-        input_address=input_address,
         output_address=wiring.addresses["outputs"],
         coordinator_input_address=wiring.addresses["coordinator_input"],
         coordinator_publish_address=wiring.addresses["coordinator_publish"],
@@ -471,18 +465,25 @@ async def answer_rank(
     expected: dict[str, str],
     ranks: Collection[int],
     invalid: InvalidFrameLog,
+    hellos: dict[int, m.RankHello],
     assign: Callable[[int], m.RankAssignment],
 ) -> m.RankReady | None:
-    """Answer one message of a rank's startup handshake: its hello with its assignment,
-    its report with the verdict on its configuration. The report of a rank now ready is
-    returned; a failed or mismatched rank raises (after it was told). A message that is
-    no handshake's, or names a rank not starting (`ranks`), is refused and dropped."""
+    """Answer one message of a rank's startup handshake: its hello with its assignment
+    (the hello kept in `hellos`: where the rank's input listens), its report with the
+    verdict on its configuration. The report of a rank now ready is returned; a failed
+    or mismatched rank raises (after it was told). A message that is no handshake's, or
+    names a rank not starting (`ranks`), is refused and dropped."""
     handshake = (m.RankHello, m.RankStartupFailed, m.RankReady)
-    if type(message) not in handshake or message.rank not in ranks:
+    if (
+        type(message) not in handshake
+        or message.rank not in ranks
+        or (type(message) is m.RankReady and message.rank not in hellos)
+    ):
         invalid.unexpected(message, "no rank of this handshake")
         await rep.send(m.HandshakeReply(accepted=False, reason="unexpected"))
         return None
     if isinstance(message, m.RankHello):
+        hellos[message.rank] = message
         assignment = assign(message.rank)
         await rep.send(m.HandshakeReply(accepted=True, reason="", assignment=assignment))
         return None

@@ -35,7 +35,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import secrets
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -130,8 +132,20 @@ async def _run_rank(
     key: ChannelKey,
     watch: FrontEndWatch,
 ) -> None:
-    async with open_req(dial=handshake_address, signer=key.signer(RANK_HANDSHAKE)) as handshake:
-        await handshake.send(m.RankHello(rank=rank, pid=os.getpid()))
+    invalid = InvalidFrameLog(f"rank {rank} input")
+    channel = secrets.token_hex(8)
+    async with (
+        open_pull(
+            listen=input_listen_address(handshake_address),
+            on_invalid=invalid,
+            signer=key.signer(rank_input(channel)),
+        ) as inputs,
+        open_req(dial=handshake_address, signer=key.signer(RANK_HANDSHAKE)) as handshake,
+    ):
+        hello = m.RankHello(
+            rank=rank, pid=os.getpid(), input_address=inputs.address, input_channel=channel
+        )
+        await handshake.send(hello)
         reply = await handshake.receive()
         if not reply.accepted or reply.assignment is None:
             return
@@ -140,15 +154,7 @@ async def _run_rank(
             _share_cpu_threads(assignment.dp_size)
         with ModelThread(f"wavecore-rank{rank}") as model_thread:
             async with AsyncExitStack() as stack:
-                invalid = InvalidFrameLog(f"rank {rank} input")
                 invalid_waves = InvalidFrameLog(f"rank {rank} wave subscription")
-                inputs = await stack.enter_async_context(
-                    open_pull(
-                        dial=assignment.input_address,
-                        on_invalid=invalid,
-                        signer=key.signer(rank_input(assignment.member)),
-                    )
-                )
                 waves = await stack.enter_async_context(
                     open_sub(
                         dial=assignment.coordinator_publish_address,
@@ -241,6 +247,21 @@ async def _run_rank(
                     await _serve(runner, inputs, waves, outputs, watch, assignment.member)
                 finally:
                     await model_thread.run(core.close)
+
+
+def input_listen_address(handshake_address: str) -> str:
+    """Where a rank's input listens (`channel_key` rule 4): beside the front end's ipc
+    sockets, or on this machine's address on the way to the front end (port 0: any)."""
+    if handshake_address.startswith("ipc://"):
+        directory = os.path.dirname(handshake_address.removeprefix("ipc://"))
+        return f"ipc://{directory}/rank-input-{os.getpid()}"
+    host, _, port = handshake_address.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, int(port)))  # picks the route; sends nothing
+        local = probe.getsockname()[0]
+    return f"tcp://[{local}]:0" if family == socket.AF_INET6 else f"tcp://{local}:0"
 
 
 def _share_cpu_threads(dp_size: int) -> None:

@@ -466,15 +466,14 @@ class Scaler:
         wiring = self._wiring
         config = self._config
         handshake = wiring.rank_handshake
-        if handshake is None or wiring.listen is None:
+        if handshake is None:
             raise ScalingRefusedError("this engine's ranks were not started here; cannot scale")
+        if self._hosts is None:
+            raise ScalingRefusedError("the engine's scaling service is not running")
         first = ranks[0]
         self._generation += 1
         await self._expect_ends(len(ranks))
         members = wiring.new_members(len(ranks))
-        for rank, member in zip(ranks, members, strict=True):
-            address = wiring.listen(f"rank{rank}-in-g{self._generation}")
-            self._starting.append(await self._open_sender(address, member))
         context = multiprocessing.get_context("spawn")
         for rank in ranks:
             process = context.Process(
@@ -498,6 +497,7 @@ class Scaler:
         self._losses.joining.update(members)
         expected = describe_config(config)
         ready: set[int] = set()
+        hellos: dict[int, m.RankHello] = {}
         with _within(config.startup_timeout, f"the startup of new ranks {list(ranks)}"):
             while len(ready) < len(ranks):
                 message = await handshake.receive()
@@ -507,12 +507,12 @@ class Scaler:
                     expected,
                     ranks,
                     wiring.invalid_frames[2],
+                    hellos,
                     lambda rank: rank_assignment(
                         config,
                         wiring,
                         rank=rank,
                         dp_size=dp_size,
-                        input_address=self._starting[rank - first].address,
                         group_prefix=self._prefix(),
                         member=members[rank - first],
                         joining=True,
@@ -520,6 +520,8 @@ class Scaler:
                 )
                 if answered is not None:
                     ready.add(answered.rank)
+        for rank in ranks:
+            self._starting.append(await self._open_sender(hellos[rank]))
         wiring.to_ranks.extend(self._starting)
         wiring.members.extend(members)
         self._starting = []
@@ -647,11 +649,11 @@ class Scaler:
         if token == self._ends_token:
             self._ends_expected.set()
 
-    async def _open_sender(self, address: str, member: int) -> MessageSender:
+    async def _open_sender(self, hello: m.RankHello) -> MessageSender:
         if self._hosts is None:
             raise ScalingRefusedError("the engine's scaling service is not running")
         closed = anyio.Event()
-        opened = open_rank_input(self._wiring.channel_key, address, member=member)
+        opened = open_rank_input(self._wiring.channel_key, hello)
         sender: MessageSender = await self._hosts.start(_host_sender, opened, closed)
         self._sender_closed[id(sender)] = closed
         return sender

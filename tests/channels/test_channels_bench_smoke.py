@@ -21,6 +21,6 @@ def test_benchmark_quick_run_writes_results(tmp_path: Path) -> None:
     )
     assert completed.returncode == 0, completed.stderr
     results = json.loads(output.read_text())["results"]
-    assert set(results) == {"wavecore+cbor2", "zmq+msgpack", "zmq+msgspec"}
+    assert set(results) == {"wavecore+cbor2", "wavecore signed", "zmq+msgpack", "zmq+msgspec"}
     assert all(value > 0 for row in results.values() for value in row.values())
-    assert "ours/zmq+msgpack" in completed.stdout
+    assert "ours/zmq+msgpack" in completed.stdout and "signed/unsigned" in completed.stdout

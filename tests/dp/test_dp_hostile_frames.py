@@ -8,6 +8,7 @@ peer that holds the key."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ import pynng
 import pytest
 from dp_helpers import HANG_GUARD, VOCAB, collect, expected_tokens, null_config, wiring_of
 
-from wavecore.channels import Codec, EndOfStream, FrameSigner
+from wavecore.channels import ChannelKey, Codec, EndOfStream, FrameSigner
 from wavecore.engine import messages as m
 from wavecore.engine.api import open_dp_engine
 from wavecore.engine.dp.channel_key import COORDINATOR_INPUT, RANK_HANDSHAKE, RANK_OUTPUTS
@@ -157,17 +158,43 @@ async def test_hostile_frames_on_every_socket_change_no_request() -> None:
                 pynng.Req0(dial=addresses["rank_handshake"], send_timeout=500),
                 key.signer(RANK_HANDSHAKE),
             )
+            # A rank's input listens in the rank: a stranger who dials it can send (and
+            # is refused unread), but is never handed a request meant for the rank.
+            rank_inputs = [
+                _Stranger(
+                    pynng.Push0(dial=sender.address, send_timeout=20_000),
+                    ChannelKey.generate().signer("rank input"),
+                )
+                for sender in wiring.to_ranks
+            ]
+            thieves = [pynng.Pull0(dial=sender.address) for sender in wiring.to_ranks]
 
             def attacks() -> list[Callable[[], object]]:
                 return [
                     lambda: outputs.send(_frames(rng, _stale(0), ROUNDS)),
                     lambda: coordinator.send(_frames(rng, _to_coordinator(), ROUNDS)),
                     lambda: handshake.send(
-                        _frames(rng, [m.RankHello(rank=7, pid=1), *_stale(1)], ROUNDS)
+                        _frames(
+                            rng,
+                            [
+                                m.RankHello(
+                                    rank=7,
+                                    pid=1,
+                                    input_address="tcp://127.0.0.1:9",
+                                    input_channel="x",
+                                ),
+                                *_stale(1),
+                            ],
+                            ROUNDS,
+                        )
                     ),
                     *(
                         lambda sender=sender: _send_frames(sender, _frames(rng, _to_rank(), ROUNDS))
                         for sender in wiring.to_ranks
+                    ),
+                    *(
+                        lambda stranger=stranger: stranger.send(_frames(rng, _to_rank(), ROUNDS))
+                        for stranger in rank_inputs
                     ),
                 ]
 
@@ -192,8 +219,14 @@ async def test_hostile_frames_on_every_socket_change_no_request() -> None:
             await engine.scale(3)
             again = await collect(engine, prompts[0], SamplingParams(max_tokens=30), dp_rank=2)
             dropped = (await engine.stats()).dropped_frames
-            for stranger in (outputs, coordinator, handshake):
+            stolen = []
+            for thief in thieves:
+                with contextlib.suppress(pynng.TryAgain):
+                    stolen.append(thief.recv(block=False))
+                thief.close()
+            for stranger in (outputs, coordinator, handshake, *rank_inputs):
                 stranger._socket.close()
+    assert stolen == []
     for index, prompt in enumerate(prompts):
         deltas = results[index]
         assert [t for delta in deltas for t in delta.token_ids] == expected_tokens(prompt, 30)
