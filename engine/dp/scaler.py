@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import multiprocessing
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -58,8 +57,7 @@ import anyio.to_thread
 from wavecore.channels import MessageSender, open_push
 from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.dp.capacity import dp_capacity
-from wavecore.engine.dp.exit_status import describe_exit, wait_for_exits
+from wavecore.engine.dp.exit_status import describe_end, wait_for_exits
 from wavecore.engine.dp.launcher import (
     SHUTDOWN_GRACE_S,
     DPStartupError,
@@ -69,8 +67,8 @@ from wavecore.engine.dp.launcher import (
     rank_assignment,
     reap,
 )
-from wavecore.engine.dp.process_state import is_stopped
-from wavecore.engine.dp.rank_process import describe_config, rank_main
+from wavecore.engine.dp.process_state import process_is_stopped
+from wavecore.engine.dp.rank_process import describe_config
 from wavecore.engine.dp.scale_calls import RanksUnanswered, call_each
 from wavecore.engine.dp.scale_losses import Loss, LossInbox
 from wavecore.engine.errors import (
@@ -221,7 +219,7 @@ class Scaler:
             if rank >= len(wiring.members):
                 continue  # a new rank not ready yet: the scale's own failure
             process = wiring.processes.get(process_name(rank))
-            stopped = process is not None and process.pid is not None and is_stopped(process.pid)
+            stopped = process is not None and process_is_stopped(process)
             cause = silent.cause(rank) + (
                 " (it is stopped: SIGSTOP or a debugger)" if stopped else ""
             )
@@ -310,7 +308,7 @@ class Scaler:
 
     async def _check_capacity(self, old: int, new_dp_size: int) -> None:
         """Refuse a size the machine cannot hold before anything starts (`capacity`)."""
-        capacity = await anyio.to_thread.run_sync(dp_capacity, self._config)
+        capacity = await anyio.to_thread.run_sync(self._wiring.starter.capacity, self._config)
         if new_dp_size > capacity.max_dp_size:
             raise ScalingRefusedError(
                 f"scaling from {old} to {new_dp_size} ranks refused: at most "
@@ -459,7 +457,7 @@ class Scaler:
     # -- the actions that need processes and channels ------------------------------------
 
     async def _start_ranks(self, ranks: tuple[int, ...], dp_size: int) -> None:
-        """Spawn these ranks and take their startup handshake (joining); once all are
+        """Start these ranks (`DPWiring.starter`: spawned here, or Ray actors) and take their startup handshake (joining); once all are
         ready their inputs join the wiring."""
         wiring = self._wiring
         config = self._config
@@ -472,21 +470,10 @@ class Scaler:
         for rank in ranks:
             address = wiring.listen(f"rank{rank}-in-g{self._generation}")
             self._starting.append(await self._open_sender(address))
-        context = multiprocessing.get_context("spawn")
-        for rank in ranks:
-            process = context.Process(
-                target=rank_main,
-                args=(
-                    handshake.address,
-                    rank,
-                    wiring.rank_configs.get(rank, config),
-                    wiring.build_core,
-                ),
-                name=f"wavecore-dp-rank{rank}",
-                daemon=True,
-            )
+        configs = {rank: wiring.rank_configs.get(rank, config) for rank in ranks}
+        started = await wiring.starter.start(handshake.address, configs, wiring.build_core)
+        for rank, process in started.items():
             wiring.processes[process_name(rank)] = process
-            process.start()
         self._new_ranks = ranks
         if self._watches is not None:
             self._watch_scope = anyio.CancelScope()
@@ -606,7 +593,7 @@ class Scaler:
         )
         where = _PHASES[self._machine.phase]
         deaths = "; ".join(
-            f"new {name} exited {where}: {describe_exit(process.exitcode)}"
+            f"new {name} exited {where}: {describe_end(process)}"
             for name, process in processes.items()
             if process in ended
         )
