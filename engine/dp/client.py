@@ -64,7 +64,7 @@ from wavecore.engine.dp.invalid_frames import counts as invalid_frame_counts
 from wavecore.engine.dp.launcher import COORDINATOR, DPWiring, open_dp_processes, process_name
 from wavecore.engine.dp.process_state import process_is_stopped
 from wavecore.engine.dp.rank_process import BuildCore
-from wavecore.engine.dp.rank_starter import node_of, open_rank_starter
+from wavecore.engine.dp.rank_starter import LocalRanks, RankStarter, node_of
 from wavecore.engine.dp.scaler import Scaler
 from wavecore.engine.errors import EngineDeadError, EngineError, ScalingFailedError
 from wavecore.engine.frontend.core_client import ScaleHost
@@ -432,6 +432,19 @@ def _caused(cause: str, error: EngineDeadError) -> EngineDeadError:
     named = EngineDeadError(f"{cause}; {error}")
     named.__cause__ = error
     return named
+
+
+@asynccontextmanager
+async def open_rank_starter(config: EngineConfig) -> AsyncIterator[RankStarter]:
+    """The starter `config.dp_backend` names, for the block's lifetime (Ray is imported
+    only when asked for)."""
+    if config.dp_backend == "ray":
+        from wavecore.engine.dp.ray_launcher import open_ray_ranks
+
+        async with open_ray_ranks(config) as ranks:
+            yield ranks
+    else:
+        yield LocalRanks()
 
 
 @asynccontextmanager

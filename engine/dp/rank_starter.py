@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Mapping
 from multiprocessing.process import BaseProcess
 from typing import Protocol, runtime_checkable
 
@@ -60,18 +59,6 @@ def node_of(process: BaseProcess | None) -> str:
     if isinstance(process, RunsElsewhere):
         return process.node
     return f"{socket.gethostname()} (local)"
-
-
-@asynccontextmanager
-async def open_rank_starter(config: EngineConfig) -> AsyncIterator[RankStarter]:
-    """The starter `config.dp_backend` names, for the block's lifetime."""
-    if config.dp_backend == "ray":
-        from wavecore.engine.dp.ray_launcher import open_ray_ranks
-
-        async with open_ray_ranks(config) as ranks:
-            yield ranks
-    else:
-        yield LocalRanks()
 
 
 class LocalRanks:

@@ -107,7 +107,7 @@ class RayRank:
         local_ip: str,
     ) -> None:
         self._ray = ray
-        self._actor = actor
+        self.actor = actor
         self._group = group
         self.pid, self.node_ip, self.node_id = where
         self.name = f"wavecore-dp-rank{rank}"
@@ -144,7 +144,7 @@ class RayRank:
     def _end_actor(self) -> None:
         """Kill the actor and remove its placement group (both idempotent)."""
         with contextlib.suppress(Exception):  # Ray gone already: so is the actor
-            self._ray.kill(self._actor, no_restart=True)
+            self._ray.kill(self.actor, no_restart=True)
         with contextlib.suppress(Exception):
             self._ray.util.remove_placement_group(self._group)
 
@@ -206,10 +206,8 @@ class RayRanks:
 
         timeout = max(config.startup_timeout for config in configs.values())
         tag = uuid.uuid4().hex[:8]
-        groups = {
-            rank: placement_group([self._bundle], name=f"wavecore-rank{rank}-{tag}")
-            for rank in configs
-        }
+        names = {rank: f"wavecore-rank{rank}-{tag}" for rank in configs}
+        groups = {rank: placement_group([self._bundle], name=names[rank]) for rank in configs}
         self._groups.extend(groups.values())
         _, unplaced = ray.wait(
             [group.ready() for group in groups.values()],
@@ -225,6 +223,7 @@ class RayRanks:
             )
         actors = {
             rank: self._actor_class.options(
+                name=names[rank],  # its placement group's: both show in Ray's listings
                 num_cpus=self._bundle.get("CPU", 0),
                 num_gpus=self._bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -313,7 +312,7 @@ class RayRanks:
         """Kill every actor left and remove every placement group (rule 5)."""
 
         def end_all() -> None:
-            self._remove(self._groups, [rank._actor for rank in self._ranks])
+            self._remove(self._groups, [rank.actor for rank in self._ranks])
             for rank in self._ranks:
                 rank.join(_END_GRACE_S)
                 rank.close()

@@ -1,0 +1,214 @@
+"""DP ranks as Ray actors (issue 31, `dp_backend="ray"`): one local Ray cluster for the
+module (a head with no CPUs for ranks, worker "nodes" "a", "b" and "c" with one CPU
+each, so every rank's placement is observable by its node's own resource; another job
+holds "c" until a scale up needs it), the null executor. One engine walks through placement, a refused scale, a scale up and down
+under load and a killed actor replaced where the room is; a second one, with "fail",
+dies naming the killed actor and leaves nothing behind."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anyio
+import pytest
+from dp_helpers import (
+    HANG_GUARD,
+    SteadyLoad,
+    check_rank_1_lost,
+    client_of,
+    collect,
+    expected_tokens,
+    load_then,
+    null_config,
+    tokens_of,
+    wiring_of,
+)
+
+from wavecore.engine.api import Engine, open_dp_engine
+from wavecore.engine.errors import EngineDeadError, ScalingRefusedError
+from wavecore.engine.sampling_params import SamplingParams
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = pytest.mark.anyio
+
+NODE_RESOURCES = ("a", "b", "c")
+QUICK = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
+
+
+def ray_config(**overrides: Any) -> Any:
+    return null_config(transport="tcp", dp_backend="ray", **QUICK, **overrides)
+
+
+def _node_args(resource: str) -> dict[str, Any]:
+    return {"num_cpus": 1, "resources": {resource: 1}, "object_store_memory": 100 * 2**20}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """Small and quiet: no dashboard, 100 MB object stores, CPUs given explicitly (the
+    head's none: ranks go to the worker nodes only)."""
+    head = {"num_cpus": 0, "object_store_memory": 100 * 2**20, "include_dashboard": False}
+    local = Cluster(initialize_head=True, head_node_args=head)
+    try:
+        for resource in NODE_RESOURCES:
+            local.add_node(**_node_args(resource))
+        ray.init(address=local.address, logging_level="WARNING", log_to_driver=False)
+        local.wait_for_nodes()
+        yield local
+    finally:
+        ray.shutdown()
+        local.shutdown()
+
+
+@pytest.fixture(scope="module")
+def other_job(cluster: Cluster) -> Any:
+    """A placement group holding node "c"'s CPU, as another job's would."""
+    group = ray.util.placement_group([{"CPU": 1, "c": 1}], name="another job")
+    ray.get(group.ready(), timeout=HANG_GUARD)
+    return group
+
+
+def node_resource(node: str) -> str:
+    """Which of the test's nodes `RankStats.node` names ("<ip> (Ray node <id>)")."""
+    for entry in ray.nodes():
+        if entry["Alive"] and entry["NodeID"] in node:
+            return next(name for name in NODE_RESOURCES if name in entry["Resources"])
+    raise AssertionError(f"no live node in {node!r}")
+
+
+async def nodes_of(engine: Engine) -> list[str]:
+    return [node_resource(rank.node) for rank in (await engine.stats()).ranks]
+
+
+def live_groups() -> list[str]:
+    """The engines' placement groups not removed."""
+    table = ray.util.placement_group_table().values()
+    return sorted(
+        group["name"]
+        for group in table
+        if group["state"] != "REMOVED" and group["name"].startswith("wavecore-")
+    )
+
+
+def actor_gone(actor: Any) -> bool:
+    try:
+        ray.get(actor.where.remote(), timeout=HANG_GUARD)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+async def engine(other_job: Any) -> AsyncIterator[Engine]:
+    config = ray_config(on_rank_failure="shrink", restart_ranks=True)
+    with anyio.fail_after(HANG_GUARD):
+        async with open_dp_engine(config) as opened:
+            yield opened
+
+
+async def test_ranks_start_as_actors_on_two_nodes_and_serve_exactly(engine: Engine) -> None:
+    assert sorted(await nodes_of(engine)) == ["a", "b"]
+    assert len(live_groups()) == 2
+    for rank in (0, 1):
+        prompt = f"on ray {rank}"
+        deltas = await collect(engine, prompt, SamplingParams(max_tokens=16), dp_rank=rank)
+        assert tokens_of(deltas) == expected_tokens(prompt, 16)
+
+
+async def test_a_scale_the_cluster_cannot_hold_is_refused_with_nothing_changed(
+    engine: Engine,
+) -> None:
+    groups = live_groups()
+    with pytest.raises(ScalingRefusedError, match=r"room for 0 more in the Ray cluster"):
+        await engine.scale(3)
+    assert engine.dp_size == 2
+    assert live_groups() == groups
+    deltas = await collect(engine, "still two", SamplingParams(max_tokens=8))
+    assert tokens_of(deltas) == expected_tokens("still two", 8)
+
+
+async def test_a_scale_up_places_the_new_rank_where_the_cluster_has_room_under_load(
+    other_job: Any, engine: Engine
+) -> None:
+    ray.util.remove_placement_group(other_job)  # node "c" has room now
+    with anyio.fail_after(HANG_GUARD):
+        load = SteadyLoad(engine)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load.run)
+            await load.wait_for(4)
+            await engine.scale(3)
+            await load.wait_for(8)
+            load.stop.set()
+    assert load.started == len(load.finished)  # each one checked exact by the load
+    assert engine.dp_size == 3
+    assert (await nodes_of(engine))[2] == "c"
+
+
+async def test_a_killed_actor_is_lost_and_replaced_on_the_node_with_room(
+    engine: Engine,
+) -> None:
+    """Shrink: rank 1's requests end as with a local rank's loss (the cause names the
+    node and Ray's reason); the survivors serve on; the restart places the replacement
+    on the one node with a free CPU, the killed actor's."""
+    client = client_of(engine)
+    killed = wiring_of(engine).processes["rank 1"]
+    node = node_resource(killed.node)
+    restarted = client.restarted
+    with anyio.fail_after(HANG_GUARD):
+        deltas = await load_then(engine, range(3), lambda: ray.kill(killed.actor))
+        check_rank_1_lost(deltas, "rank 1 lost (rank 1 died (actor died on node ")
+        error = next(stream[-1].error for stream in deltas.values() if stream[-1].error)
+        assert "killed by `ray.kill`" in error
+        await restarted.wait()
+    assert client.restarts[-1] == "restarted to 3 ranks"
+    assert engine.dp_size == 3
+    assert (await nodes_of(engine))[2] == node
+    assert actor_gone(killed.actor)
+    for rank in range(3):
+        prompt = f"after the restart {rank}"
+        deltas_after = await collect(engine, prompt, SamplingParams(max_tokens=8), dp_rank=rank)
+        assert tokens_of(deltas_after) == expected_tokens(prompt, 8)
+
+
+async def test_a_scale_down_under_load_removes_the_leaving_actors_and_groups(
+    engine: Engine,
+) -> None:
+    leaving = [wiring_of(engine).processes[f"rank {rank}"] for rank in (1, 2)]
+    with anyio.fail_after(HANG_GUARD):
+        load = SteadyLoad(engine)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(load.run)
+            await load.wait_for(4)
+            await engine.scale(1)
+            await load.wait_for(4)
+            load.stop.set()
+    assert load.started == len(load.finished)
+    assert engine.dp_size == 1
+    assert len(live_groups()) == 1
+    assert all(actor_gone(rank.actor) for rank in leaving)
+
+
+async def test_with_fail_a_killed_actor_ends_the_engine_named_and_nothing_outlives_it(
+    cluster: Cluster, engine: Engine
+) -> None:
+    """Beside the first engine (one rank left), on the two free CPUs."""
+    before = live_groups()
+    with anyio.fail_after(HANG_GUARD):
+        async with open_dp_engine(ray_config(on_rank_failure="fail")) as failing:
+            actors = [
+                process.actor
+                for process in wiring_of(failing).processes.values()
+                if hasattr(process, "actor")
+            ]
+            assert len(live_groups()) == len(before) + 2
+            stream = failing.generate("endless", SamplingParams(max_tokens=10**6), dp_rank=0)
+            await stream.__anext__()
+            ray.kill(wiring_of(failing).processes["rank 1"].actor)
+            with pytest.raises(EngineDeadError, match=r"^rank 1 died \(actor died on node "):
+                async for _ in stream:
+                    pass
+    assert live_groups() == before
+    assert all(actor_gone(actor) for actor in actors)
