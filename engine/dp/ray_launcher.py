@@ -99,7 +99,7 @@ class RayRank:
         self,
         ray: Any,
         *,
-        rank: int,
+        name: str,
         actor: Any,
         group: Any,
         run: Any,
@@ -110,7 +110,8 @@ class RayRank:
         self.actor = actor
         self._group = group
         self.pid, self.node_ip, self.node_id = where
-        self.name = f"wavecore-dp-rank{rank}"
+        # The actor's name in Ray (its placement group's too).
+        self.name = name
         self._local = self.node_ip == local_ip
         self.exitcode: int | None = None
         self._report = "still running"
@@ -244,7 +245,7 @@ class RayRanks:
             run = actor.run.remote(handshake_address, rank, configs[rank], build_core)
             started[rank] = RayRank(
                 ray,
-                rank=rank,
+                name=names[rank],
                 actor=actor,
                 group=groups[rank],
                 run=run,

@@ -7,7 +7,11 @@ dies naming the killed actor and leaves nothing behind."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import anyio
@@ -212,3 +216,73 @@ async def test_with_fail_a_killed_actor_ends_the_engine_named_and_nothing_outliv
                     pass
     assert live_groups() == before
     assert all(actor_gone(actor) for actor in actors)
+
+
+# A driver of its own: it opens a Ray engine in the test's cluster, says where its
+# actors are, and waits to be killed.
+_DRIVER = """
+import sys
+
+import anyio
+import ray
+
+from wavecore.engine.api import open_dp_engine
+from wavecore.engine.config import EngineConfig
+
+
+async def main() -> None:
+    ray.init(address=sys.argv[1], logging_level="WARNING", log_to_driver=False)
+    config = EngineConfig(executor="null", dp_size=2, transport="tcp", dp_backend="ray")
+    async with open_dp_engine(config) as engine:
+        ranks = engine.core_client.wiring.processes.values()
+        names = [rank.name for rank in ranks if hasattr(rank, "actor")]
+        print(ray.get_runtime_context().namespace, *names, flush=True)
+        await anyio.sleep_forever()
+
+
+if __name__ == "__main__":
+    anyio.run(main)
+"""
+
+
+def _actor_named(name: str, namespace: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    return True
+
+
+async def test_a_driver_killed_with_sigkill_leaves_no_actor_or_placement_group(
+    cluster: Cluster, engine: Engine
+) -> None:
+    """Ray ends what a dead owner owned: the actors are not detached."""
+    before = live_groups()
+    with anyio.fail_after(HANG_GUARD):
+        driver = await anyio.open_process(
+            [sys.executable, "-c", _DRIVER, cluster.address], stderr=subprocess.DEVNULL
+        )
+        assert driver.stdout is not None
+        line = b""
+        async for chunk in driver.stdout:
+            line += chunk
+            if line.endswith(b"\n"):
+                break
+        namespace, *names = line.decode().split()
+        assert len(names) == 2 and all(_actor_named(name, namespace) for name in names)
+        assert len(live_groups()) == len(before) + 2
+        driver.send_signal(signal.SIGKILL)
+        await driver.wait()
+        # Ray's cleanup of the dead driver's job has no event to wait on: polled.
+        gone = lambda: (
+            live_groups() == before
+            and not any(  # noqa: E731
+                _actor_named(name, namespace) for name in names
+            )
+        )
+        await anyio.to_thread.run_sync(_poll_until, gone, abandon_on_cancel=True)
+
+
+def _poll_until(done: Callable[[], bool]) -> None:
+    while not done():
+        time.sleep(0.1)
