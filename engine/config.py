@@ -49,10 +49,10 @@ class EngineConfig:
     lost rank's requests (finish reason "error"; those with no output yet go to a
     survivor) and the survivors form a smaller group and keep serving.
     `restart_ranks=True` (with "shrink") then scales back to the size the engine had
-    before the loss, starting replacement ranks on this machine through the same scale
-    up a caller's `scale` performs; a restart that cannot happen (paused, asleep,
-    weights updated, a scale running, or it fails) is logged and the engine serves on
-    at the smaller size.
+    before the loss, starting replacement ranks as the first ones started (on this
+    machine, or wherever the Ray cluster has room) through the same scale up a caller's
+    `scale` performs; a restart that cannot happen (paused, asleep, weights updated, a
+    scale running, or it fails) is logged and the engine serves on at the smaller size.
     `dp_backend` says who starts and watches the ranks: "mp" (the default) spawns them
     as processes of this machine; "ray" starts each as a Ray actor in a placement group
     of its own anywhere in the Ray cluster at `ray_address` (None: the cluster this

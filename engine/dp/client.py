@@ -37,7 +37,8 @@ Theory of operation:
    a dropped member are ignored; the dropped rank reads the end of its input and
    exits, or exits when its front end falls silent.
 7. With `restart_ranks`, a shrink that succeeded is followed by a scale back to the
-   size before it: replacement ranks start here, through the scale up a caller's
+   size before it: replacement ranks start as the first ones did (here, or wherever
+   the Ray cluster has room with `dp_backend="ray"`), through the scale up a caller's
    `scale` performs (the same checks, the same rollback). A restart that is refused or
    fails leaves the engine serving at the smaller size, and says why in the log.
 """

@@ -15,8 +15,9 @@ Theory of operation:
    size (so no message of a new rank can reach a coordinator that does not know it).
 2. Ranks keep their numbers; every switch builds a fresh gloo group under a new store
    prefix (`<engine prefix>-g<generation>`), so the old and new groups never share keys.
-3. The target size is checked first (`capacity`): a size the machine cannot hold is
-   refused before anything starts.
+3. The target size is checked first (`capacity`, or the Ray cluster's free resources
+   with `dp_backend="ray"`: `DPWiring.starter`): a size that cannot be held is refused
+   before anything starts.
 4. A failure is rolled back by the machine's `ScaleAborted` script where it can be
    (before the switch, and during a scale up's switch: a rank whose new group does
    not form stays in its old group and says so): new processes stopped and reaped,

@@ -30,7 +30,7 @@ from dp_helpers import (
 )
 
 from wavecore.engine.api import Engine, open_dp_engine
-from wavecore.engine.errors import EngineDeadError, ScalingRefusedError
+from wavecore.engine.errors import EngineDeadError, ScalingFailedError, ScalingRefusedError
 from wavecore.engine.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray")
@@ -195,22 +195,33 @@ async def test_a_scale_down_under_load_removes_the_leaving_actors_and_groups(
     assert all(actor_gone(rank.actor) for rank in leaving)
 
 
-async def test_with_fail_a_killed_actor_ends_the_engine_named_and_nothing_outlives_it(
-    cluster: Cluster, engine: Engine
+async def test_with_fail_an_unplaceable_scale_rolls_back_and_a_killed_actor_is_named(
+    engine: Engine,
 ) -> None:
-    """Beside the first engine (one rank left), on the two free CPUs."""
+    """A second engine beside the first (one rank left), on the two free CPUs. With
+    `max_dp_size` set the capacity check lets a scale to 3 through, whose placement
+    group then finds no room within startup_timeout: the scale is rolled back. Then
+    rank 1's actor is killed: the engine dies naming it, and its close leaves no actor
+    or placement group."""
     before = live_groups()
+    config = ray_config(on_rank_failure="fail", max_dp_size=4, startup_timeout=10.0)
     with anyio.fail_after(HANG_GUARD):
-        async with open_dp_engine(ray_config(on_rank_failure="fail")) as failing:
-            actors = [
-                process.actor
-                for process in wiring_of(failing).processes.values()
-                if hasattr(process, "actor")
-            ]
-            assert len(live_groups()) == len(before) + 2
+        async with open_dp_engine(config) as failing:
+            ranks = wiring_of(failing).processes
+            actors = [ranks[f"rank {rank}"].actor for rank in (0, 1)]
+            groups = live_groups()
+            assert len(groups) == len(before) + 2
+            with pytest.raises(
+                ScalingFailedError,
+                match=r"rolled back \(still 2 ranks\): DPStartupError: ranks \[2\] could not "
+                r"be placed in the Ray cluster within 10 s",
+            ):
+                await failing.scale(3)
+            assert failing.dp_size == 2
+            assert live_groups() == groups
             stream = failing.generate("endless", SamplingParams(max_tokens=10**6), dp_rank=0)
             await stream.__anext__()
-            ray.kill(wiring_of(failing).processes["rank 1"].actor)
+            ray.kill(actors[1])
             with pytest.raises(EngineDeadError, match=r"^rank 1 died \(actor died on node "):
                 async for _ in stream:
                     pass
@@ -273,13 +284,13 @@ async def test_a_driver_killed_with_sigkill_leaves_no_actor_or_placement_group(
         assert len(live_groups()) == len(before) + 2
         driver.send_signal(signal.SIGKILL)
         await driver.wait()
+
         # Ray's cleanup of the dead driver's job has no event to wait on: polled.
-        gone = lambda: (
-            live_groups() == before
-            and not any(  # noqa: E731
+        def gone() -> bool:
+            return live_groups() == before and not any(
                 _actor_named(name, namespace) for name in names
             )
-        )
+
         await anyio.to_thread.run_sync(_poll_until, gone, abandon_on_cancel=True)
 
 
