@@ -7,6 +7,7 @@ dies naming the killed actor and leaves nothing behind."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -113,9 +114,19 @@ async def engine(other_job: Any) -> AsyncIterator[Engine]:
             yield opened
 
 
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        return int(next(line for line in status if line.startswith("PPid:")).split()[1])
+
+
 async def test_ranks_start_as_actors_on_two_nodes_and_serve_exactly(engine: Engine) -> None:
+    """Placed one per node; each at its raylet's niceness, not Ray's +15 for workers."""
     assert sorted(await nodes_of(engine)) == ["a", "b"]
     assert len(live_groups()) == 2
+    for rank in (0, 1):
+        pid = wiring_of(engine).processes[f"rank {rank}"].pid
+        raylet = os.getpriority(os.PRIO_PROCESS, _parent_of(pid))
+        assert os.getpriority(os.PRIO_PROCESS, pid) == raylet
     for rank in (0, 1):
         prompt = f"on ray {rank}"
         deltas = await collect(engine, prompt, SamplingParams(max_tokens=16), dp_rank=rank)
