@@ -201,8 +201,8 @@ async def open_dp_processes(
     """Start the coordinator and `config.dp_size` ranks; yield the client's channels.
 
     `rank_configs` gives chosen ranks a configuration of their own (the handshake must
-    then refuse them unless it equals `config`). `on_exit(name, exitcode)` is called on
-    the event loop when a process ends after startup, saying how (`describe_end`).
+    then refuse them unless it equals `config`). `on_exit(name, how)` is called on the
+    event loop when a process ends after startup, saying how it ended (`describe_end`).
     `starter` starts the ranks (default: `LocalRanks`, processes of this machine).
 
     Headless ranks: with `master="HOST:PORT"` (tcp only) every socket listens on HOST,

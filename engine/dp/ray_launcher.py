@@ -224,6 +224,8 @@ class RayRanks:
         configs: Mapping[int, EngineConfig],
         build_core: BuildCore,
     ) -> dict[int, Any]:
+        if not configs:
+            return {}  # every rank joins by hand (`wavecore rank`)
         ray = self._ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
