@@ -1,9 +1,12 @@
 """DP ranks as Ray actors (issue 31, `dp_backend="ray"`): one local Ray cluster for the
-module (a head with no CPUs for ranks, worker "nodes" "a", "b" and "c" with one CPU
-each, so every rank's placement is observable by its node's own resource; another job
-holds "c" until a scale up needs it), the null executor. One engine walks through placement, a refused scale, a scale up and down
-under load and a killed actor replaced where the room is; a second one, with "fail",
-dies naming the killed actor and leaves nothing behind."""
+module (nodes "a", "b", "c" and the head, "d", with one CPU each, so every rank's
+placement is observable by its node's own resource; placement groups of "other jobs"
+hold "c" until a scale up needs it and "d" until the second engine does), the null
+executor. One engine walks through placement, a refused scale, a scale up under load, a
+killed actor replaced where the room is, a lost node with no room for a replacement,
+and a scale down under load; a second one, with "fail", dies naming a killed actor and
+leaves nothing behind; a driver killed with SIGKILL leaves nothing either. (A scale
+whose placement times out is rolled back: test_dp_ray_soak.py.)"""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from dp_helpers import (
 )
 
 from wavecore.engine.api import Engine, open_dp_engine
-from wavecore.engine.errors import EngineDeadError, ScalingFailedError, ScalingRefusedError
+from wavecore.engine.errors import EngineDeadError, ScalingRefusedError
 from wavecore.engine.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray")
@@ -39,7 +42,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
-NODE_RESOURCES = ("a", "b", "c")
+NODE_RESOURCES = ("a", "b", "c", "d")
 QUICK = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
 
 
@@ -53,12 +56,11 @@ def _node_args(resource: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    """Small and quiet: no dashboard, 100 MB object stores, CPUs given explicitly (the
-    head's none: ranks go to the worker nodes only)."""
-    head = {"num_cpus": 0, "object_store_memory": 100 * 2**20, "include_dashboard": False}
+    """Small and quiet: no dashboard, 100 MB object stores, CPUs given explicitly."""
+    head = {**_node_args("d"), "include_dashboard": False}
     local = Cluster(initialize_head=True, head_node_args=head)
     try:
-        for resource in NODE_RESOURCES:
+        for resource in NODE_RESOURCES[:3]:
             local.add_node(**_node_args(resource))
         ray.init(address=local.address, logging_level="WARNING", log_to_driver=False)
         local.wait_for_nodes()
@@ -69,11 +71,14 @@ def cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def other_job(cluster: Cluster) -> Any:
-    """A placement group holding node "c"'s CPU, as another job's would."""
-    group = ray.util.placement_group([{"CPU": 1, "c": 1}], name="another job")
-    ray.get(group.ready(), timeout=HANG_GUARD)
-    return group
+def other_jobs(cluster: Cluster) -> dict[str, Any]:
+    """Placement groups holding nodes "c" and "d", as other jobs' would."""
+    groups = {
+        node: ray.util.placement_group([{"CPU": 1, node: 1}], name=f"another job on {node}")
+        for node in ("c", "d")
+    }
+    ray.get([group.ready() for group in groups.values()], timeout=HANG_GUARD)
+    return groups
 
 
 def node_resource(node: str) -> str:
@@ -107,7 +112,7 @@ def actor_gone(actor: Any) -> bool:
 
 
 @pytest.fixture(scope="module")
-async def engine(other_job: Any) -> AsyncIterator[Engine]:
+async def engine(other_jobs: dict[str, Any]) -> AsyncIterator[Engine]:
     config = ray_config(on_rank_failure="shrink", restart_ranks=True)
     with anyio.fail_after(HANG_GUARD):
         async with open_dp_engine(config) as opened:
@@ -146,9 +151,9 @@ async def test_a_scale_the_cluster_cannot_hold_is_refused_with_nothing_changed(
 
 
 async def test_a_scale_up_places_the_new_rank_where_the_cluster_has_room_under_load(
-    other_job: Any, engine: Engine
+    other_jobs: dict[str, Any], engine: Engine
 ) -> None:
-    ray.util.remove_placement_group(other_job)  # node "c" has room now
+    ray.util.remove_placement_group(other_jobs["c"])  # node "c" has room now
     with anyio.fail_after(HANG_GUARD):
         load = SteadyLoad(engine)
         async with anyio.create_task_group() as tg:
@@ -188,10 +193,38 @@ async def test_a_killed_actor_is_lost_and_replaced_on_the_node_with_room(
         assert tokens_of(deltas_after) == expected_tokens(prompt, 8)
 
 
-async def test_a_scale_down_under_load_removes_the_leaving_actors_and_groups(
+async def test_a_lost_node_loses_its_rank_and_no_restart_happens_without_room(
+    cluster: Cluster, engine: Engine
+) -> None:
+    """Rank 2's node leaves the cluster: Ray's notice names it; the replacement finds no
+    room (the two nodes left each hold a rank), and the engine serves on at 2."""
+    client = client_of(engine)
+    lost = wiring_of(engine).processes["rank 2"]
+    node = next(node for node in cluster.list_all_nodes() if node.node_id == lost.node_id)
+    restarted = client.restarted
+    with anyio.fail_after(HANG_GUARD):
+        stream = engine.generate("endless", SamplingParams(max_tokens=10**6), dp_rank=2)
+        await stream.__anext__()
+        await anyio.to_thread.run_sync(cluster.remove_node, node)
+        deltas = [delta async for delta in stream]
+        await restarted.wait()
+    error = deltas[-1].error or ""
+    assert deltas[-1].finish_reason == "error"
+    assert error.startswith("rank 2 lost (rank 2 died (actor died on node ")
+    assert "The actor died because its node has died" in error
+    assert client.restarts[-1].startswith("no restart to 3 ranks: ")
+    assert "room for 0 more in the Ray cluster" in client.restarts[-1]
+    assert engine.dp_size == 2
+    for rank in (0, 1):
+        prompt = f"after the node {rank}"
+        deltas_after = await collect(engine, prompt, SamplingParams(max_tokens=8), dp_rank=rank)
+        assert tokens_of(deltas_after) == expected_tokens(prompt, 8)
+
+
+async def test_a_scale_down_under_load_removes_the_leaving_actor_and_group(
     engine: Engine,
 ) -> None:
-    leaving = [wiring_of(engine).processes[f"rank {rank}"] for rank in (1, 2)]
+    leaving = [wiring_of(engine).processes["rank 1"]]
     with anyio.fail_after(HANG_GUARD):
         load = SteadyLoad(engine)
         async with anyio.create_task_group() as tg:
@@ -206,30 +239,18 @@ async def test_a_scale_down_under_load_removes_the_leaving_actors_and_groups(
     assert all(actor_gone(rank.actor) for rank in leaving)
 
 
-async def test_with_fail_an_unplaceable_scale_rolls_back_and_a_killed_actor_is_named(
-    engine: Engine,
+async def test_with_fail_a_killed_actor_ends_the_engine_named_and_nothing_outlives_it(
+    other_jobs: dict[str, Any], engine: Engine
 ) -> None:
-    """A second engine beside the first (one rank left), on the two free CPUs. With
-    `max_dp_size` set the capacity check lets a scale to 3 through, whose placement
-    group then finds no room within startup_timeout: the scale is rolled back. Then
-    rank 1's actor is killed: the engine dies naming it, and its close leaves no actor
-    or placement group."""
+    """A second engine beside the first (one rank left), on the two free CPUs (node "d"
+    is given up for it). Its close leaves no actor or placement group."""
+    ray.util.remove_placement_group(other_jobs["d"])
     before = live_groups()
-    config = ray_config(on_rank_failure="fail", max_dp_size=4, startup_timeout=10.0)
     with anyio.fail_after(HANG_GUARD):
-        async with open_dp_engine(config) as failing:
+        async with open_dp_engine(ray_config(on_rank_failure="fail")) as failing:
             ranks = wiring_of(failing).processes
             actors = [ranks[f"rank {rank}"].actor for rank in (0, 1)]
-            groups = live_groups()
-            assert len(groups) == len(before) + 2
-            with pytest.raises(
-                ScalingFailedError,
-                match=r"rolled back \(still 2 ranks\): DPStartupError: ranks \[2\] could not "
-                r"be placed in the Ray cluster within 10 s",
-            ):
-                await failing.scale(3)
-            assert failing.dp_size == 2
-            assert live_groups() == groups
+            assert len(live_groups()) == len(before) + 2
             stream = failing.generate("endless", SamplingParams(max_tokens=10**6), dp_rank=0)
             await stream.__anext__()
             ray.kill(actors[1])

