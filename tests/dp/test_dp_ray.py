@@ -261,8 +261,8 @@ async def test_with_fail_a_killed_actor_ends_the_engine_named_and_nothing_outliv
     assert all(actor_gone(actor) for actor in actors)
 
 
-# A driver of its own: it opens a Ray engine in the test's cluster, says where its
-# actors are, and waits to be killed.
+# A driver of its own: it opens a Ray engine in the test's cluster (connecting through
+# `ray_address`), says where its actors are, and waits to be killed.
 _DRIVER = """
 import sys
 
@@ -274,8 +274,9 @@ from wavecore.engine.config import EngineConfig
 
 
 async def main() -> None:
-    ray.init(address=sys.argv[1], logging_level="WARNING", log_to_driver=False)
-    config = EngineConfig(executor="null", dp_size=2, transport="tcp", dp_backend="ray")
+    config = EngineConfig(
+        executor="null", dp_size=2, transport="tcp", dp_backend="ray", ray_address=sys.argv[1]
+    )
     async with open_dp_engine(config) as engine:
         ranks = engine.core_client.wiring.processes.values()
         names = [rank.name for rank in ranks if hasattr(rank, "actor")]
