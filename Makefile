@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/batch_queue.py
 	$(BIN)/python bench/dp.py
 	$(BIN)/python bench/dp.py --executor model
+	$(BIN)/python bench/dp.py --dp-backend ray
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/serve.py
 	$(BIN)/python bench/weights.py

@@ -28,8 +28,18 @@ cost, so the same run also times what they add per step, in this process: record
 a step of `--max-num-seqs` decodes, the codec round trip of its `StepOutputs` with
 and without them, and the front end's count (medians of alternating rounds).
 
+With `--dp-backend ray`, instead: the Ray launcher against the local one, in the same
+run on a local Ray cluster of this machine's cores (its head node; ranks are actors in
+placement groups): for each launcher, alternating `--repeats` times, lockstep dp 2 with
+`on_rank_failure="shrink"`: the start-up time (entering `open_dp_engine`), the streamed
+tokens/s (target: Ray >= 0.9x the local launcher), and the time from rank 1's death
+(`ray.kill` of its actor, SIGKILL of its process) to the engine serving at dp 1: the
+shrink done, and a request on the survivor finished (results/dp_ray.json). The local
+launcher runs over ipc (its default) and over tcp (Ray's transport), so that the
+launcher's cost and the transport's show apart.
+
 Usage: python bench/dp.py [--quick] [--executor null|model] [--requests N] [--max-tokens N]
-       [--iteration-details [--repeats N]] [--output PATH]
+       [--iteration-details [--repeats N]] [--dp-backend ray [--repeats N]] [--output PATH]
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -54,6 +66,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "dp.json"
 TARGET_TOKENS_PER_S_DP2 = 50_000
 TARGET_LOCKSTEP_RATIO = 0.9
 TARGET_PAUSE_FORWARDS = 2
+TARGET_RAY_VS_LOCAL = 0.9
 
 
 def _config(dp_size: int, mode: str, args: argparse.Namespace) -> EngineConfig:
@@ -281,6 +294,103 @@ def _details_main(args: argparse.Namespace) -> None:
     print(f"wrote {output}")
 
 
+async def _measure_backends(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+    import ray
+
+    from wavecore.engine.dp.client import DPClient
+    from wavecore.engine.frontend.engine import FrontEnd
+
+    launchers = {"mp ipc": ("mp", "ipc"), "mp tcp": ("mp", "tcp"), "ray": ("ray", "tcp")}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in launchers}
+    for _ in range(args.repeats):
+        for name, (backend, transport) in launchers.items():
+            config = dataclasses.replace(
+                _config(2, "lockstep", args),
+                transport=transport,  # type: ignore[arg-type]
+                dp_backend=backend,  # type: ignore[arg-type]
+                on_rank_failure="shrink",
+            )
+            start = time.perf_counter()
+            async with open_dp_engine(config) as engine:
+                row = {"startup_s": time.perf_counter() - start}
+                await _throughput(engine, max(2, args.requests // 8), 4)  # warm-up
+                row.update(await _throughput(engine, args.requests, args.max_tokens))
+                assert isinstance(engine, FrontEnd) and isinstance(engine.core_client, DPClient)
+                client = engine.core_client
+                shrunk = client.shrunk
+                rank = client.wiring.processes["rank 1"]
+                killed = time.perf_counter()
+                if backend == "ray":
+                    ray.kill(rank.actor)  # type: ignore[attr-defined]
+                else:
+                    os.kill(rank.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                await shrunk.wait()
+                row["death_to_shrunk_s"] = time.perf_counter() - killed
+                await _drain(engine.generate("after", SamplingParams(max_tokens=4)))
+                row["death_to_served_s"] = time.perf_counter() - killed
+            runs[name].append(row)
+            print(f"  measured {name}", flush=True)
+    return runs
+
+
+def _backends_main(args: argparse.Namespace) -> None:
+    import ray
+
+    if args.quick:
+        args.requests, args.max_tokens, args.repeats = 8, 8, 1
+    ray.init(
+        num_cpus=os.cpu_count(),
+        include_dashboard=False,
+        object_store_memory=100 * 2**20,
+        logging_level="WARNING",
+        log_to_driver=False,
+    )
+    try:
+        runs = anyio.run(_measure_backends, args)
+    finally:
+        ray.shutdown()
+    keys = ("startup_s", "tokens_per_s", "death_to_shrunk_s", "death_to_served_s")
+    medians = {
+        backend: {key: statistics.median(run[key] for run in rows) for key in keys}
+        for backend, rows in runs.items()
+    }
+    ratios = {
+        name: medians["ray"]["tokens_per_s"] / medians[name]["tokens_per_s"]
+        for name in ("mp ipc", "mp tcp")
+    }
+    header = f"{'backend':<8} {'start s':>8} {'tokens/s':>10} {'death->shrunk s':>16} {'death->served s':>16}"
+    print(f"lockstep dp 2, null executor, medians of {args.repeats} (CPU: {describe()['cpu']})")
+    print(header)
+    print("-" * len(header))
+    for backend, figures in medians.items():
+        print(
+            f"{backend:<8} {figures['startup_s']:>8.2f} {figures['tokens_per_s']:>10.0f} "
+            f"{figures['death_to_shrunk_s']:>16.3f} {figures['death_to_served_s']:>16.3f}"
+        )
+    print(
+        f"ray / mp tokens/s: {ratios['mp ipc']:.2f}x against ipc, {ratios['mp tcp']:.2f}x "
+        f"against tcp (target >= {TARGET_RAY_VS_LOCAL}x)"
+    )
+    output = args.output or RESULTS.with_name("dp_ray.json")
+    result = {
+        "benchmark": "dp_ray",
+        "quick": args.quick,
+        "executor": args.executor,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "target_ray_vs_mp": TARGET_RAY_VS_LOCAL,
+        "ray_vs_mp_tokens_per_s": ratios,
+        "ray_version": ray.__version__,
+        "machine": describe(),
+        "medians": medians,
+        "runs": runs,
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {output}")
+
+
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
     by_key = {(row["dp_size"], row["mode"]): row for row in rows}
     for row in rows:
@@ -352,11 +462,22 @@ def main() -> None:
         action="store_true",
         help="measure log_iteration_details on against off instead (same run)",
     )
-    parser.add_argument("--repeats", type=int, default=5, help="with --iteration-details")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="with --iteration-details or --dp-backend ray"
+    )
+    parser.add_argument(
+        "--dp-backend",
+        choices=["mp", "ray"],
+        default="mp",
+        help="ray: the Ray launcher against the local one instead (results/dp_ray.json)",
+    )
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     if args.iteration_details:
         _details_main(args)
+        return
+    if args.dp_backend == "ray":
+        _backends_main(args)
         return
     args.dp_sizes = (1, 2, 4)
     args.pause_repeats = 5

@@ -41,7 +41,8 @@ async def open_engine(
     if config is not None and overrides:
         raise TypeError("give open_engine an EngineConfig or keyword settings, not both")
     config = config if config is not None else EngineConfig(**overrides)
-    if config.dp_size > 1:
+    if config.dp_size > 1 or config.dp_backend == "ray":
+        # On Ray even one rank is an actor in the cluster (and the engine can scale).
         async with open_dp_engine(config) as engine:
             yield engine
         return

@@ -11,6 +11,7 @@ ExecutorKind = Literal["model", "null"]
 Device = Literal["cpu", "cuda", "auto"]
 DPMode = Literal["lockstep", "independent"]
 Transport = Literal["ipc", "tcp"]
+DPBackend = Literal["mp", "ray"]
 RankFailurePolicy = Literal["shrink", "fail"]
 Weights = Literal["auto", "float32", "int8"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -48,10 +49,16 @@ class EngineConfig:
     lost rank's requests (finish reason "error"; those with no output yet go to a
     survivor) and the survivors form a smaller group and keep serving.
     `restart_ranks=True` (with "shrink") then scales back to the size the engine had
-    before the loss, starting replacement ranks on this machine through the same scale
-    up a caller's `scale` performs; a restart that cannot happen (paused, asleep,
-    weights updated, a scale running, or it fails) is logged and the engine serves on
-    at the smaller size.
+    before the loss, starting replacement ranks as the first ones started (on this
+    machine, or wherever the Ray cluster has room) through the same scale up a caller's
+    `scale` performs; a restart that cannot happen (paused, asleep, weights updated, a
+    scale running, or it fails) is logged and the engine serves on at the smaller size.
+    `dp_backend` says who starts and watches the ranks: "mp" (the default) spawns them
+    as processes of this machine; "ray" starts each as a Ray actor in a placement group
+    of its own anywhere in the Ray cluster at `ray_address` (None: the cluster this
+    process is connected to, else Ray's own default), over tcp (`transport="tcp"`), with
+    the same ranks, channels, scaling and loss handling (`engine/dp/ray_launcher.py`;
+    needs `pip install wavecore[ray]`).
     `heartbeat_interval` and `heartbeat_timeout` (seconds): the front end and every rank
     send each other a heartbeat each interval (`engine/dp/heartbeat.py`); a rank silent
     for the timeout (stopped, hung, unreachable) is lost as if it had died, and a
@@ -127,6 +134,8 @@ class EngineConfig:
     heartbeat_timeout: float = 5.0
     restart_ranks: bool = False
     channel_key_file: str | None = None
+    dp_backend: DPBackend = "mp"
+    ray_address: str | None = None
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -219,6 +228,22 @@ class EngineConfig:
         if self.transport not in ("ipc", "tcp"):
             raise ValueError(
                 f"EngineConfig.transport must be 'ipc' or 'tcp', got {self.transport!r}"
+            )
+        if self.dp_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"EngineConfig.dp_backend must be 'mp' or 'ray', got {self.dp_backend!r}"
+            )
+        if self.dp_backend == "ray" and self.transport != "tcp":
+            raise ValueError(
+                "EngineConfig.dp_backend='ray' needs transport='tcp' (ranks on other "
+                "machines reach the front end over tcp)"
+            )
+        if self.ray_address is not None and (
+            self.dp_backend != "ray" or not isinstance(self.ray_address, str)
+        ):
+            raise ValueError(
+                "EngineConfig.ray_address is an address string for dp_backend='ray', got "
+                f"{self.ray_address!r} with dp_backend={self.dp_backend!r}"
             )
         for name in ("startup_timeout", "collective_timeout", "heartbeat_interval"):
             value = getattr(self, name)

@@ -47,6 +47,11 @@ class EngineClosedError(EngineError):
     """The engine's `async with` block has ended; it takes no more calls."""
 
 
+class BackendUnavailableError(EngineError):
+    """The configured DP backend needs a package that is not installed (the message says
+    which, and how to install it)."""
+
+
 class ScalingInProgressError(EngineError):
     """`scale` was called while another reconfiguration is still active."""
 

@@ -88,6 +88,10 @@ class RankStats:
     # Frames and messages this rank's channels dropped as malformed or impossible, by
     # channel (`engine/dp/invalid_frames.py`); empty for a rank in the front end's process.
     dropped_frames: dict[str, int] = field(default_factory=dict)
+    # Where the rank runs: "<hostname> (local)" for a rank process spawned by the front
+    # end, "<ip> (Ray node <id>)" for a Ray actor, "headless" for a `wavecore rank`
+    # started by hand, "this process" for a single rank in the front end's process.
+    node: str = ""
 
 
 # The upper bounds of the histograms of `RankIterations`: milliseconds a forward took,

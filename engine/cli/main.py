@@ -43,6 +43,7 @@ OPENMP_SPIN_COUNT = 30_000
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     memory: int | float = args.kv_cache_memory
+    backend = getattr(args, "dp_backend", "mp")  # `wavecore rank` has no backend flag
     try:
         return EngineConfig(
             model=args.model,
@@ -65,8 +66,11 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             restart_ranks=getattr(args, "restart_ranks", False),
             channel_key_file=args.channel_key_file,
             log_iteration_details=args.log_iteration_details,
-            # Ranks started elsewhere connect over tcp; the transport is not hashed.
-            transport="tcp" if getattr(args, "dp_master", None) else "ipc",
+            dp_backend=backend,
+            ray_address=getattr(args, "ray_address", None),
+            # Ranks started elsewhere (by hand, or by Ray) connect over tcp; the
+            # transport is not hashed.
+            transport="tcp" if getattr(args, "dp_master", None) or backend == "ray" else "ipc",
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
@@ -235,8 +239,10 @@ async def _run_all(
 
 def check_capacity(args: argparse.Namespace, config: EngineConfig) -> None:
     """`--dp` above what this machine can hold is refused before any process starts, as
-    `scale` refuses it (`engine/dp/capacity.py`)."""
+    `scale` refuses it (`engine/dp/capacity.py`); on Ray the cluster's placement decides."""
     if config.dp_size < 2 or getattr(args, "dp_master", None) is not None:
+        return
+    if config.dp_backend == "ray":
         return
     from wavecore.engine.dp.capacity import dp_capacity
 
@@ -490,7 +496,20 @@ def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGro
     engine.add_argument(
         "--restart-ranks",
         action="store_true",
-        help="with --on-rank-failure shrink: start replacements for lost ranks here",
+        help="with --on-rank-failure shrink: start replacements for lost ranks (here, or "
+        "anywhere in the Ray cluster with --dp-backend ray)",
+    )
+    engine.add_argument(
+        "--dp-backend",
+        choices=["mp", "ray"],
+        default="mp",
+        help="who starts the ranks: mp (processes on this machine) or ray (actors anywhere "
+        "in a Ray cluster; pip install wavecore[ray])",
+    )
+    engine.add_argument(
+        "--ray-address",
+        metavar="HOST:PORT",
+        help="with --dp-backend ray: the cluster to join (default: Ray's, e.g. RAY_ADDRESS)",
     )
     _add_rank_behaviour_flags(engine)
     return engine

@@ -91,6 +91,9 @@ class InProcessClient:
     def max_chunk_bytes(self) -> int | None:
         return None  # objects on a memory stream: a tensor travels whole, uncopied
 
+    def rank_node(self, rank: int) -> str:
+        return "this process"
+
     def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
         """The rank reports its own failure (`RankFailed`); nothing else can die here."""
 

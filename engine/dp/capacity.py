@@ -18,7 +18,8 @@ engine down 133 s later). So the target size is checked before anything starts, 
 
 The bound is on the engine's whole size, as if every rank ran here (a scale spawns its
 new ranks here); an engine with ranks on other machines too (`wavecore rank`) sets
-`max_dp_size` itself.
+`max_dp_size` itself. On Ray (`dp_backend="ray"`) the cluster's free resources bound it
+instead (`ray_launcher`).
 """
 
 from __future__ import annotations

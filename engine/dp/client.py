@@ -37,7 +37,8 @@ Theory of operation:
    a dropped member are ignored; the dropped rank reads the end of its input and
    exits, or exits when its front end falls silent.
 7. With `restart_ranks`, a shrink that succeeded is followed by a scale back to the
-   size before it: replacement ranks start here, through the scale up a caller's
+   size before it: replacement ranks start as the first ones did (here, or wherever
+   the Ray cluster has room with `dp_backend="ray"`), through the scale up a caller's
    `scale` performs (the same checks, the same rollback). A restart that is refused or
    fails leaves the engine serving at the smaller size, and says why in the log.
 """
@@ -57,13 +58,14 @@ import anyio.to_thread
 from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
-from wavecore.engine.dp.exit_status import describe_exit
+from wavecore.engine.dp.exit_status import describe_end
 from wavecore.engine.dp.frame_checks import member_problem, state_problem, step_outputs_problem
 from wavecore.engine.dp.heartbeat import RankHeartbeats
 from wavecore.engine.dp.invalid_frames import counts as invalid_frame_counts
 from wavecore.engine.dp.launcher import COORDINATOR, DPWiring, open_dp_processes, process_name
-from wavecore.engine.dp.process_state import is_stopped
+from wavecore.engine.dp.process_state import process_is_stopped
 from wavecore.engine.dp.rank_process import BuildCore
+from wavecore.engine.dp.rank_starter import LocalRanks, RankStarter, node_of
 from wavecore.engine.dp.scaler import Scaler
 from wavecore.engine.errors import EngineDeadError, EngineError, ScalingFailedError
 from wavecore.engine.frontend.core_client import ScaleHost
@@ -166,9 +168,10 @@ class DPClient:
     def shrinks(self) -> bool:
         return self.config.on_rank_failure == "shrink"
 
-    def process_exited(self, name: str, exitcode: int | None) -> None:
+    def process_exited(self, name: str, how: str) -> None:
+        """The watcher saw process `name` end; `how` it ended (`describe_end`)."""
         self._tell_news()
-        cause = f"{name} died ({describe_exit(exitcode)})"
+        cause = f"{name} died ({how})"
         if self.shrinks and name != COORDINATOR:
             process = self.wiring.processes.get(name)
             if process is not None and not process.is_alive():  # not lost already
@@ -331,15 +334,18 @@ class DPClient:
         ]
         for name, process in current:
             if not process.is_alive():
-                return name, f"{name} died ({describe_exit(process.exitcode)})"
+                return name, f"{name} died ({describe_end(process)})"
         for name, process in current:
-            if process.pid is not None and is_stopped(process.pid):
+            if process_is_stopped(process):
                 timeout = self.config.collective_timeout
                 return name, (
                     f"{name} is stopped (SIGSTOP or a debugger) and did not join a "
                     f"collective within collective_timeout ({timeout:g} s)"
                 )
         return None
+
+    def rank_node(self, rank: int) -> str:
+        return node_of(self.wiring.processes.get(process_name(rank)))
 
     async def send(self, rank: int, message: Any) -> None:
         await self.wiring.to_ranks[rank].send(message)
@@ -434,6 +440,19 @@ def _caused(cause: str, error: EngineDeadError) -> EngineDeadError:
 
 
 @asynccontextmanager
+async def open_rank_starter(config: EngineConfig) -> AsyncIterator[RankStarter]:
+    """The starter `config.dp_backend` names, for the block's lifetime (Ray is imported
+    only when asked for)."""
+    if config.dp_backend == "ray":
+        from wavecore.engine.dp.ray_launcher import open_ray_ranks
+
+        async with open_ray_ranks(config) as ranks:
+            yield ranks
+    else:
+        yield LocalRanks()
+
+
+@asynccontextmanager
 async def open_dp_client(
     config: EngineConfig,
     *,
@@ -453,19 +472,23 @@ async def open_dp_client(
     tokenizer = await anyio.to_thread.run_sync(EngineCore.tokenizer_from_config, config)
     holder: list[DPClient] = []
 
-    def on_exit(name: str, exitcode: int | None) -> None:
+    def on_exit(name: str, how: str) -> None:
         for client in holder:
-            client.process_exited(name, exitcode)
+            client.process_exited(name, how)
 
-    async with open_dp_processes(
-        config,
-        build_core=build_core,
-        on_exit=on_exit,
-        rank_configs=rank_configs,
-        master=master,
-        local_ranks=local_ranks,
-        on_listening=on_listening,
-    ) as wiring:
+    async with (
+        open_rank_starter(config) as starter,
+        open_dp_processes(
+            config,
+            build_core=build_core,
+            on_exit=on_exit,
+            rank_configs=rank_configs,
+            master=master,
+            local_ranks=local_ranks,
+            on_listening=on_listening,
+            starter=starter,
+        ) as wiring,
+    ):
         client = DPClient(config, tokenizer, wiring)
         holder.append(client)
         async with anyio.create_task_group() as tg:

@@ -8,7 +8,9 @@ of two threads joining one process at once, the loser's join may return before t
 winner's assignment, with the status still None: the joins made here take turns.
 
 multiprocessing reports a process killed by a signal as the negative signal number;
-`describe_exit` names the signal instead ("killed by SIGKILL").
+`describe_exit` names the signal instead ("killed by SIGKILL"). A rank started by
+someone else (a Ray actor, `ray_launcher`) stands in for a process and says itself how
+it ended, and where (`ReportsItsEnd`); `describe_end` reads either.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import signal
 import threading
 from collections.abc import Iterable
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 _COLLECTING = threading.Lock()
 
@@ -30,6 +32,22 @@ def describe_exit(exitcode: int | None) -> str:
     if exitcode < 0:
         return f"killed by {_signal_name(-exitcode)}"
     return f"exited with code {exitcode}"
+
+
+@runtime_checkable
+class ReportsItsEnd(Protocol):
+    """A stand-in for a process whose end is not an exit status of this machine's."""
+
+    def end_report(self) -> str:
+        """How and where it ended, for a cause ("rank 1 died (<this>)")."""
+        ...
+
+
+def describe_end(process: BaseProcess) -> str:
+    """How this ended process (or stand-in for one) ended."""
+    if isinstance(process, ReportsItsEnd):
+        return process.end_report()
+    return describe_exit(process.exitcode)
 
 
 def _signal_name(number: int) -> str:

@@ -8,7 +8,10 @@ Theory of operation:
    port is ever picked and bound later. The client listens on everything it receives
    on or sends to ranks; the coordinator binds its own PULL and PUB and reports them.
 2. Processes come from the `spawn` context (never fork: the client may hold threads
-   and sockets). They start together; the startup handshake then takes the
+   and sockets); the ranks come from the `RankStarter` (`rank_starter`): processes
+   spawned here, or Ray actors elsewhere (`ray_launcher`), whose sockets then listen on
+   an address of this machine the cluster can reach. They start together; the startup
+   handshake then takes the
    coordinator's `CoordinatorHello` first, and then each rank's `RankHello` (answered
    with its `RankAssignment`) and `RankReady` (its configuration compared with the
    client's, a mismatch refused naming every differing field). The whole startup is
@@ -16,7 +19,8 @@ Theory of operation:
 3. A watcher thread waits on every process's sentinel; an exit is reported to the
    owner (`on_exit`) within moments, during startup and after, for the processes
    started here and for those a scale up adds later (`ProcessWatcher.watch`), with its
-   exit status collected (`exit_status`: a signal is named, "killed by SIGKILL").
+   exit status collected (`exit_status`: a signal is named, "killed by SIGKILL"; a Ray
+   actor says how and where it ended).
 4. On exit the client's senders close first (ranks and coordinator see end of
    stream and leave), every process gets a short grace period, then SIGTERM, then
    SIGKILL, and every one is joined: nothing outlives the block.
@@ -69,9 +73,10 @@ from wavecore.engine.dp.channel_key import (
     rank_input,
 )
 from wavecore.engine.dp.coordinator_process import coordinator_main
-from wavecore.engine.dp.exit_status import describe_exit, wait_for_exits
+from wavecore.engine.dp.exit_status import describe_end, wait_for_exits
 from wavecore.engine.dp.invalid_frames import InvalidFrameLog
-from wavecore.engine.dp.rank_process import BuildCore, describe_config, rank_main
+from wavecore.engine.dp.rank_process import BuildCore, describe_config
+from wavecore.engine.dp.rank_starter import LocalRanks, RankStarter
 from wavecore.engine.errors import EngineError
 
 SHUTDOWN_GRACE_S = 3.0
@@ -110,6 +115,7 @@ class DPWiring:
     store: Any = None
     host: str = "127.0.0.1"
     build_core: BuildCore | None = None
+    starter: RankStarter = field(default_factory=LocalRanks)
     rank_configs: Mapping[int, EngineConfig] = field(default_factory=dict)
     group_prefix: str = ""
     watcher: ProcessWatcher | None = None
@@ -187,9 +193,11 @@ def open_rank_input(
     return open_push(dial=hello.input_address, linger=0.5, signer=signer)
 
 
-def _split_master(master: str | None, config: EngineConfig) -> tuple[str, int]:
+def _split_master(
+    master: str | None, config: EngineConfig, starter: RankStarter
+) -> tuple[str, int]:
     if master is None:
-        return "127.0.0.1", 0
+        return starter.host, 0
     if config.transport != "tcp":
         raise ValueError("ranks joining from elsewhere (master=...) need transport='tcp'")
     host, _, port = master.rpartition(":")
@@ -203,24 +211,27 @@ async def open_dp_processes(
     config: EngineConfig,
     *,
     build_core: BuildCore,
-    on_exit: Callable[[str, int | None], None],
+    on_exit: Callable[[str, str], None],
     rank_configs: Mapping[int, EngineConfig] | None = None,
     master: str | None = None,
     local_ranks: Collection[int] | None = None,
     on_listening: Callable[[str], None] | None = None,
+    starter: RankStarter | None = None,
 ) -> AsyncIterator[DPWiring]:
     """Start the coordinator and `config.dp_size` ranks; yield the client's channels.
 
     `rank_configs` gives chosen ranks a configuration of their own (the handshake must
-    then refuse them unless it equals `config`). `on_exit(name, exitcode)` is called on
-    the event loop when a process ends after startup.
+    then refuse them unless it equals `config`). `on_exit(name, how)` is called on the
+    event loop when a process ends after startup, saying how it ended (`describe_end`).
+    `starter` starts the ranks (default: `LocalRanks`, processes of this machine).
 
     Headless ranks: with `master="HOST:PORT"` (tcp only) every socket listens on HOST,
     the ranks' handshake on PORT (0: any, reported to `on_listening`), and only
     `local_ranks` are spawned here; the others join with `wavecore rank`. Their death is
     seen when they fail, not by a process watch.
     """
-    host, port = _split_master(master, config)
+    starter = LocalRanks() if starter is None else starter
+    host, port = _split_master(master, config, starter)
     spawned = range(config.dp_size) if local_ranks is None else sorted(set(local_ranks))
     key = engine_channel_key(config, headless=len(spawned) < config.dp_size)
     addresses = _Addresses(config.transport, host)
@@ -275,16 +286,10 @@ async def open_dp_processes(
                 name="wavecore-dp-coordinator",
                 daemon=True,
             )
-            for rank in spawned:
-                rank_config = (rank_configs or {}).get(rank, config)
-                processes[process_name(rank)] = context.Process(
-                    target=rank_main,
-                    args=(rank_rep.address, rank, rank_config, build_core, key),
-                    name=f"wavecore-dp-rank{rank}",
-                    daemon=True,
-                )
-            for process in processes.values():
-                process.start()
+            processes[COORDINATOR].start()
+            configs = {rank: (rank_configs or {}).get(rank, config) for rank in spawned}
+            ranks = await starter.start(rank_rep.address, configs, build_core, key)
+            processes.update({process_name(rank): ranks[rank] for rank in spawned})
             wiring = DPWiring(
                 dp_size=config.dp_size,
                 max_model_len=0,
@@ -301,6 +306,7 @@ async def open_dp_processes(
             wiring.store = store
             wiring.host = host
             wiring.build_core = build_core
+            wiring.starter = starter
             wiring.rank_configs = dict(rank_configs or {})
             wiring.watcher = watcher
             wiring.members = wiring.new_members(config.dp_size)
@@ -404,8 +410,8 @@ async def _startup(
     finally:
         watcher.on_startup_exit = None
     if watcher.exits:
-        name, code = watcher.exits[0]
-        raise DPStartupError(f"{name} ended during startup ({describe_exit(code)})")
+        name, how = watcher.exits[0]
+        raise DPStartupError(f"{name} ended during startup ({how})")
     # Opened here, outside the startup's cancel scopes, since they outlive them.
     for rank in range(config.dp_size):
         to_ranks.append(
@@ -526,15 +532,15 @@ class ProcessWatcher:
         self._wake_reader.setblocking(False)
         self._watched: dict[int, tuple[str, BaseProcess]] = {}
         self._stopping = False
-        self.exits: list[tuple[str, int | None]] = []
-        self.on_startup_exit: Callable[[str, int | None], None] | None = None
+        self.exits: list[tuple[str, str]] = []
+        self.on_startup_exit: Callable[[str, str], None] | None = None
         self.clean = True
         self.closing = False
 
     async def run(
         self,
         processes: Mapping[str, BaseProcess],
-        on_exit: Callable[[str, int | None], None],
+        on_exit: Callable[[str, str], None],
         *,
         task_status: anyio.abc.TaskStatus[None],
     ) -> None:
@@ -555,12 +561,13 @@ class ProcessWatcher:
                 if watched is None or self.closing:
                     continue  # forgotten while the thread waited, or ending on purpose
                 name = watched[0]
-                self.exits.append((name, process.exitcode))
+                how = describe_end(process)
+                self.exits.append((name, how))
                 self.clean = False
                 if self.on_startup_exit is not None:
-                    self.on_startup_exit(name, process.exitcode)
+                    self.on_startup_exit(name, how)
                 else:
-                    on_exit(name, process.exitcode)
+                    on_exit(name, how)
 
     def watch(self, name: str, process: BaseProcess) -> None:
         """Report this started process's exit too, from now on."""

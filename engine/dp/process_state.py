@@ -8,6 +8,23 @@ the cause rather than the symptom.
 
 from __future__ import annotations
 
+from multiprocessing.process import BaseProcess
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class KnowsIfStopped(Protocol):
+    """A stand-in for a process (a rank elsewhere) that says itself whether it is stopped."""
+
+    def is_stopped(self) -> bool: ...
+
+
+def process_is_stopped(process: BaseProcess) -> bool:
+    """Whether this started process, or a stand-in for one, is stopped."""
+    if isinstance(process, KnowsIfStopped):
+        return process.is_stopped()
+    return process.pid is not None and is_stopped(process.pid)
+
 
 def is_stopped(pid: int) -> bool:
     """True when `pid` is in state T (stopped by a signal) or t (stopped by a tracer);

@@ -78,11 +78,19 @@ from wavecore.statemachines import RankMachine
 BuildCore = Callable[[EngineConfig], EngineCore]
 
 
-# How a rank was reached, how long it may take to start, how far the client may scale,
-# whether it restarts lost ranks and where each machine keeps the channel key change
-# nothing a rank computes.
+# How a rank was reached and who started it, how long it may take to start, how far the
+# client may scale, whether it restarts lost ranks and where each machine keeps the
+# channel key change nothing a rank computes.
 _DEPLOYMENT_FIELDS = frozenset(
-    {"transport", "startup_timeout", "max_dp_size", "restart_ranks", "channel_key_file"}
+    {
+        "transport",
+        "startup_timeout",
+        "max_dp_size",
+        "restart_ranks",
+        "dp_backend",
+        "ray_address",
+        "channel_key_file",
+    }
 )
 
 
@@ -107,13 +115,37 @@ def rank_main(
     `FRONT_END_LOST_EXIT`."""
     exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the client's to handle
+    # Headless (no parent process): no parent watch ends it, its front end's silence does.
+    code = run_rank(
+        handshake_address,
+        rank,
+        config,
+        build_core,
+        channel_key,
+        judges_front_end=parent_process() is None,
+    )
+    _leave_process(code)
+
+
+def run_rank(
+    handshake_address: str,
+    rank: int,
+    config: EngineConfig,
+    build_core: BuildCore,
+    channel_key: ChannelKey,
+    *,
+    judges_front_end: bool,
+) -> int:
+    """Run the rank until its input ends; its exit code (0, or `FRONT_END_LOST_EXIT`
+    when `judges_front_end` and the front end fell silent). The caller ends the process
+    (rule 7): `rank_main` at once, a Ray actor's owner by killing it."""
     watch = FrontEndWatch(
         interval=config.heartbeat_interval,
         timeout=config.heartbeat_timeout,
-        judges=parent_process() is None,  # headless: no parent watch ends it
+        judges=judges_front_end,
     )
     anyio.run(_run_rank, handshake_address, rank, config, build_core, channel_key, watch)
-    _leave_process(FRONT_END_LOST_EXIT if watch.lost else 0)
+    return FRONT_END_LOST_EXIT if watch.lost else 0
 
 
 def _leave_process(code: int) -> NoReturn:

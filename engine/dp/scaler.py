@@ -15,8 +15,9 @@ Theory of operation:
    size (so no message of a new rank can reach a coordinator that does not know it).
 2. Ranks keep their numbers; every switch builds a fresh gloo group under a new store
    prefix (`<engine prefix>-g<generation>`), so the old and new groups never share keys.
-3. The target size is checked first (`capacity`): a size the machine cannot hold is
-   refused before anything starts.
+3. The target size is checked first (`capacity`, or the Ray cluster's free resources
+   with `dp_backend="ray"`: `DPWiring.starter`): a size that cannot be held is refused
+   before anything starts.
 4. A failure is rolled back by the machine's `ScaleAborted` script where it can be
    (before the switch, and during a scale up's switch: a rank whose new group does
    not form stays in its old group and says so): new processes stopped and reaped,
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import multiprocessing
 from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
@@ -59,8 +59,7 @@ import anyio.to_thread
 from wavecore.channels import MessageSender
 from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.dp.capacity import dp_capacity
-from wavecore.engine.dp.exit_status import describe_exit, wait_for_exits
+from wavecore.engine.dp.exit_status import describe_end, wait_for_exits
 from wavecore.engine.dp.launcher import (
     SHUTDOWN_GRACE_S,
     DPStartupError,
@@ -71,8 +70,8 @@ from wavecore.engine.dp.launcher import (
     rank_assignment,
     reap,
 )
-from wavecore.engine.dp.process_state import is_stopped
-from wavecore.engine.dp.rank_process import describe_config, rank_main
+from wavecore.engine.dp.process_state import process_is_stopped
+from wavecore.engine.dp.rank_process import describe_config
 from wavecore.engine.dp.scale_calls import RanksUnanswered, call_each
 from wavecore.engine.dp.scale_losses import Loss, LossInbox
 from wavecore.engine.errors import (
@@ -223,7 +222,7 @@ class Scaler:
             if rank >= len(wiring.members):
                 continue  # a new rank not ready yet: the scale's own failure
             process = wiring.processes.get(process_name(rank))
-            stopped = process is not None and process.pid is not None and is_stopped(process.pid)
+            stopped = process is not None and process_is_stopped(process)
             cause = silent.cause(rank) + (
                 " (it is stopped: SIGSTOP or a debugger)" if stopped else ""
             )
@@ -312,7 +311,7 @@ class Scaler:
 
     async def _check_capacity(self, old: int, new_dp_size: int) -> None:
         """Refuse a size the machine cannot hold before anything starts (`capacity`)."""
-        capacity = await anyio.to_thread.run_sync(dp_capacity, self._config)
+        capacity = await anyio.to_thread.run_sync(self._wiring.starter.capacity, self._config)
         if new_dp_size > capacity.max_dp_size:
             raise ScalingRefusedError(
                 f"scaling from {old} to {new_dp_size} ranks refused: at most "
@@ -461,7 +460,7 @@ class Scaler:
     # -- the actions that need processes and channels ------------------------------------
 
     async def _start_ranks(self, ranks: tuple[int, ...], dp_size: int) -> None:
-        """Spawn these ranks and take their startup handshake (joining); once all are
+        """Start these ranks (`DPWiring.starter`: spawned here, or Ray actors) and take their startup handshake (joining); once all are
         ready their inputs join the wiring."""
         wiring = self._wiring
         config = self._config
@@ -474,22 +473,12 @@ class Scaler:
         self._generation += 1
         await self._expect_ends(len(ranks))
         members = wiring.new_members(len(ranks))
-        context = multiprocessing.get_context("spawn")
-        for rank in ranks:
-            process = context.Process(
-                target=rank_main,
-                args=(
-                    handshake.address,
-                    rank,
-                    wiring.rank_configs.get(rank, config),
-                    wiring.build_core,
-                    wiring.channel_key,
-                ),
-                name=f"wavecore-dp-rank{rank}",
-                daemon=True,
-            )
+        configs = {rank: wiring.rank_configs.get(rank, config) for rank in ranks}
+        started = await wiring.starter.start(
+            handshake.address, configs, wiring.build_core, wiring.channel_key
+        )
+        for rank, process in started.items():
             wiring.processes[process_name(rank)] = process
-            process.start()
         self._new_ranks = ranks
         if self._watches is not None:
             self._watch_scope = anyio.CancelScope()
@@ -611,7 +600,7 @@ class Scaler:
         )
         where = _PHASES[self._machine.phase]
         deaths = "; ".join(
-            f"new {name} exited {where}: {describe_exit(process.exitcode)}"
+            f"new {name} exited {where}: {describe_end(process)}"
             for name, process in processes.items()
             if process in ended
         )

@@ -48,6 +48,10 @@ class CoreClient(Protocol):
         message is not encoded)."""
         ...
 
+    def rank_node(self, rank: int) -> str:
+        """Where rank `rank` runs (its machine, or its node in a Ray cluster), for stats."""
+        ...
+
     def on_death(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Report the death of a rank (or of what carries its messages) to ``callback``."""
 

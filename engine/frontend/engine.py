@@ -30,7 +30,7 @@ import os
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -355,7 +355,10 @@ class FrontEnd:
         """Every rank's figures, taken after every call made before this one."""
         self._check_open()
         call = await self._call_all(lambda cid: _utility(cid, "stats"))
-        ranks = tuple(sorted(call.stats, key=lambda report: report.rank))
+        ranks = tuple(
+            replace(report, node=self._core.rank_node(report.rank))
+            for report in sorted(call.stats, key=lambda report: report.rank)
+        )
         wave, running = self._wave, self._engines_running
         if not self._core.has_coordinator:
             wave = max(rank.counters.wave for rank in ranks)

@@ -107,7 +107,7 @@ async def test_a_report_arriving_as_the_shrink_starts_is_explained_by_it(
             tg.start_soon(client.serve_losses)
             await anyio.wait_all_tasks_blocked()
             wiring.by_member[1].exitcode = -9
-            client.process_exited("rank 1", -9)
+            client.process_exited("rank 1", "killed by SIGKILL")
             await anyio.lowlevel.checkpoint()  # the loss is taken; its shrink has not run
             assert not scaler.shrinking
             client._rank_failed(report)

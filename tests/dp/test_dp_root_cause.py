@@ -55,7 +55,7 @@ async def test_a_collective_failure_waits_for_the_peer_exit_that_caused_it() -> 
             await anyio.wait_all_tasks_blocked()
             assert not found, "the peer is not reaped yet: nothing to report"
             client.wiring.processes["rank 1"].exitcode = -9
-            client.process_exited("rank 1", -9)
+            client.process_exited("rank 1", "killed by SIGKILL")
     assert str(found[0]).startswith("rank 1 died (killed by SIGKILL); rank 0 (pid 1) failed")
     assert found[0].__cause__ is FAILURE
 

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import anyio
 import pytest
-from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens_of, wiring_of
+from dp_helpers import (
+    HANG_GUARD,
+    SteadyLoad,
+    collect,
+    expected_tokens,
+    null_config,
+    tokens_of,
+    wiring_of,
+)
 
 from wavecore.engine.api import Engine, open_dp_engine
 from wavecore.engine.cli.main import main
@@ -47,49 +55,6 @@ def live_ranks(engine: Engine) -> list[str]:
         for name, p in wiring_of(engine).processes.items()
         if name.startswith("rank") and "retired" not in name and p.is_alive()
     )
-
-
-class SteadyLoad:
-    """Submits requests one after another from a few workers; checks each output."""
-
-    def __init__(self, engine: Engine, workers: int = 4) -> None:
-        self.engine = engine
-        self.workers = workers
-        self.stop = anyio.Event()
-        self.finished: dict[str, list] = {}
-        self.started = 0
-        self._finished_one = anyio.Event()
-
-    async def run(self) -> None:
-        async with anyio.create_task_group() as tg:
-            for worker in range(self.workers):
-                tg.start_soon(self._worker, worker)
-
-    async def _worker(self, worker: int) -> None:
-        number = 0
-        while not self.stop.is_set():
-            request_id = f"w{worker}-{number}"
-            prompt = f"steady {worker} {number}"
-            number += 1
-            self.started += 1
-            stream = self.engine.generate(
-                prompt, SamplingParams(max_tokens=12), request_id=request_id
-            )
-            deltas = []
-            async for delta in stream:
-                deltas.append(delta)
-            assert request_id not in self.finished
-            self.finished[request_id] = deltas
-            assert tokens_of(deltas) == expected_tokens(prompt, 12), request_id
-            assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
-            assert deltas[-1].finish_reason == "length"
-            self._finished_one.set()
-            self._finished_one = anyio.Event()
-
-    async def wait_for(self, count: int) -> None:
-        target = len(self.finished) + count
-        while len(self.finished) < target:
-            await self._finished_one.wait()
 
 
 async def test_scale_walk_under_load_loses_nothing_and_balances_over_new_ranks() -> None:
