@@ -99,6 +99,8 @@ class EngineConfig:
     (n-grams of `prompt_lookup_min` to `prompt_lookup_max` tokens), verified in one
     forward; outputs are those of plain decoding (`engine/scheduler/speculative.py`).
     Drafts are added only while a step holds at most `speculative_token_budget` tokens.
+    With the batch queue, a request whose drafts are being verified sits out the step
+    scheduled meanwhile (`engine/core/batch_queue.py`, rule 7).
     """
 
     model: str | None = None
@@ -204,11 +206,6 @@ class EngineConfig:
             speculative = self.speculative
         except ValueError as error:
             raise ValueError(f"EngineConfig.{error}") from None
-        if speculative is not None and self.async_scheduling:
-            raise ValueError(
-                "EngineConfig.speculative_method: speculative decoding runs in the serial "
-                "loop and cannot be combined with async_scheduling (the batch queue) yet"
-            )
         memory = self.kv_cache_memory
         if isinstance(memory, bool) or not isinstance(memory, int | float) or memory <= 0:
             raise ValueError(f"EngineConfig.kv_cache_memory must be positive, got {memory!r}")

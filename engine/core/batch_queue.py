@@ -33,7 +33,13 @@ Theory of operation:
    ahead's sampling waits for it on the model thread, its forward does not. Outputs
    are those of the serial loop. A step started with nothing ahead of it gets its
    bitmask at once.
-7. Every other input takes effect from the next step scheduled after it, which under
+7. Speculative decoding: drafts follow known tokens, and how many of a step's drafts
+   are kept decides where a request's next token goes, so a request that drafts
+   alternates: it verifies drafts in one step and sits out the step ahead, scheduled
+   before they are known (the scheduler decides, while its drafts are accepted).
+   Requests without drafts decode in every step, as in rule 2. Outputs are those of
+   the serial loop.
+8. Every other input takes effect from the next step scheduled after it, which under
    the queue is one step later than in the serial loop: a KEEP or WAIT pause may let
    one more step's tokens land before it completes. What a stream carries does not
    change: a request's tokens do not depend on when they are computed, and what a

@@ -24,8 +24,7 @@ class SchedulerConfig:
     `step % prefill_interval == 0`. `eos_token_id` finishes a request (STOP) unless its
     sampling says `ignore_eos`. `async_scheduling` allows two steps in flight: the next
     is scheduled before the last one's samples are known (the batch queue).
-    `speculative` turns on speculative decoding (`speculative.SpeculativeConfig`); it
-    runs in the serial loop only.
+    `speculative` turns on speculative decoding (`speculative.SpeculativeConfig`).
     """
 
     num_kv_blocks: int
@@ -53,14 +52,8 @@ class SchedulerConfig:
             raise ValueError("SchedulerConfig.enable_prefix_caching must be a bool")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError("SchedulerConfig.async_scheduling must be a bool")
-        if self.speculative is not None:
-            if not isinstance(self.speculative, SpeculativeConfig):
-                raise ValueError("SchedulerConfig.speculative must be a SpeculativeConfig")
-            if self.async_scheduling:
-                raise ValueError(
-                    "speculative decoding runs in the serial loop: it cannot be combined "
-                    "with async_scheduling (the batch queue) yet"
-                )
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError("SchedulerConfig.speculative must be a SpeculativeConfig")
         if self.eos_token_id is not None and (
             isinstance(self.eos_token_id, bool)
             or not isinstance(self.eos_token_id, int)

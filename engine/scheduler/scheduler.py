@@ -44,13 +44,19 @@ Theory of operation:
   no request behind it. `update()` hands each sampled token to the request's grammar:
   a token it forbids ends the request with ERROR, a grammar that is complete ends it
   with STOP (a stop token or `max_len` still end it first).
-- Speculative decoding (`config.speculative`, serial loop only): a decode may carry
+- Speculative decoding (`config.speculative`): a decode may carry
   drafts (`speculative`: proposals, verification, back-off). It is scheduled as its
   last token plus k drafts, within the step's token budget, the request's `max_len`,
   the blocks free without preempting anyone and, with a grammar, the drafts the
   grammar accepts. `update()` accepts the drafts up to the first that differs from
   the token sampled before it, then that token; stop rules apply token by token, and
-  `num_computed_tokens` falls back to the accepted tokens.
+  `num_computed_tokens` falls back to the accepted tokens. Under async scheduling a
+  request whose drafts are in flight sits out the step scheduled meanwhile: how many
+  tokens it will have, and so where its next token goes, is unknown until they are
+  verified. Drafts follow known tokens only, so a request whose sample is in flight
+  leaves the step being scheduled to draft in the next, while the proposer matches its
+  tokens and its drafts are accepted (`_sits_out_to_draft`); other requests keep
+  their placeholder decode in every step.
 - A request can always progress alone: prompts that could never fit are refused at
   `add`, and a request finishes with LENGTH at `min(max_model_len, KV pool tokens)`.
 """
@@ -341,7 +347,13 @@ class Scheduler:
                         draft_room -= num_drafts
                         end = total + num_drafts
                         token_ids = (tokens[-1], *drafts)
+                    elif config.async_scheduling:
+                        request.backoff.verified(0)  # it sat out a step for nothing
+            elif computed > total:  # its drafts are in flight (async scheduling only)
+                continue
             elif total == computed:  # its sample is in flight (async scheduling only)
+                if draft_room > 0 and self._sits_out_to_draft(request):
+                    continue
                 if total + 1 >= request.max_len:
                     continue  # that sample finishes it by length
                 total = end = total + 1
@@ -484,6 +496,13 @@ class Scheduler:
             reason,
             error,
         )
+
+    def _sits_out_to_draft(self, request: Request) -> bool:
+        """Async scheduling: whether `request`, its sample in flight, leaves this step
+        to decode with drafts in the next (drafts follow known tokens only): while the
+        proposer matches its tokens so far and it is not backing off. A sit-out that
+        finds no drafts, or drafts all rejected, is a miss that backs it off."""
+        return request.backoff.may_draft() and bool(self._proposer.propose(request.token_ids, 1))
 
     def _drafts(self, request: Request, room: int) -> list[int]:
         """Drafts for a decode of `request`: proposed, then cut to `room`, to what its

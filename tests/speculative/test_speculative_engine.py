@@ -1,5 +1,5 @@
 """Speculative decoding through the one `Engine`, in this process and over two rank
-processes: the same tokens as plain decoding (a cycling null executor, so prompt lookup
+processes, in the serial loop and under the batch queue: the same tokens as plain decoding (a cycling null executor, so prompt lookup
 is often right and several tokens arrive in one step), with stop strings inside an
 accepted run, structured output, a KEEP pause, a sleep that recomputes, and an abort."""
 
@@ -29,6 +29,8 @@ ENGINES = {
     "one-rank": {},
     "dp2-lockstep": {"dp_size": 2, "dp_mode": "lockstep", "sync_interval": 2},
     "dp2-independent": {"dp_size": 2, "dp_mode": "independent"},
+    "batch-queue": {"async_scheduling": True},
+    "dp2-lockstep-batch-queue": {"dp_size": 2, "dp_mode": "lockstep", "async_scheduling": True},
 }
 CASES = [("asyncio", name) for name in ENGINES] + [("trio", "one-rank")]
 PROMPTS = [("abc" * (i + 3)) + "d" * i for i in range(6)]

@@ -66,7 +66,6 @@ def test_back_off_after_two_empty_verifications_and_reset_on_acceptance() -> Non
         ({"speculative_method": "ngram", "prompt_lookup_min": 5}, "must not exceed"),
         ({"speculative_method": "ngram", "prompt_lookup_max": 0}, "prompt_lookup_max"),
         ({"speculative_method": "ngram", "speculative_token_budget": 1}, "token_budget"),
-        ({"speculative_method": "ngram", "async_scheduling": True}, "async_scheduling"),
     ],
 )
 def test_each_bad_setting_is_refused_with_its_own_error(fields: dict, message: str) -> None:
@@ -185,3 +184,35 @@ def test_drafts_stay_within_the_token_budget() -> None:
         speculating.update(step, speculating.execute(step))
     assert drafted_by_running[len(REQUESTS)] == 0
     assert sum(drafted_by_running.values()) > 0
+
+
+def test_under_async_scheduling_a_request_verifying_drafts_sits_out_the_step_ahead() -> None:
+    """Two steps in flight (the batch queue): a request that drafts leaves the step
+    scheduled while its sample is unknown, verifies drafts in the next, and sits out
+    the one scheduled while those are in flight; the tokens are plain decoding's."""
+    request = {"r": ("abcd" * 4, SamplingParams(max_tokens=40, ignore_eos=True))}
+    engine = core(True, async_scheduling=True)
+    scheduler, executor = engine.scheduler, engine.executor
+    add_all(engine, request)
+    pending = [scheduler.schedule()]  # the prefill, which samples
+    drafts_per_step, tokens = [], []
+    while pending:
+        step = pending[0]
+        output = executor.execute(step.batch)
+        if scheduler.has_work():  # the step ahead, scheduled before this one's update
+            ahead = scheduler.schedule()
+            drafts_per_step.append([c.num_draft_tokens for c in ahead.batch.chunks])
+            if not ahead.is_empty:
+                ahead.resolve_placeholders(output)
+                pending.append(ahead)
+        pending.pop(0)
+        for update in scheduler.update(step, output):
+            tokens += update.new_token_ids
+        if not pending and scheduler.has_work():
+            pending.append(scheduler.schedule())
+            drafts_per_step.append([c.num_draft_tokens for c in pending[0].batch.chunks])
+    assert tokens == list(run(core(False), request)["r"][0])
+    verifying = [i for i, shape in enumerate(drafts_per_step) if shape and shape[0] > 0]
+    assert len(verifying) >= 2, drafts_per_step
+    for i in verifying:  # the step scheduled while its drafts were in flight is empty
+        assert i + 1 == len(drafts_per_step) or drafts_per_step[i + 1] == []
