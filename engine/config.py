@@ -203,7 +203,7 @@ class EngineConfig:
                 f"EngineConfig.async_scheduling must be a bool, got {self.async_scheduling!r}"
             )
         try:
-            speculative = self.speculative
+            self.speculative  # noqa: B018 - built to check its settings
         except ValueError as error:
             raise ValueError(f"EngineConfig.{error}") from None
         memory = self.kv_cache_memory
