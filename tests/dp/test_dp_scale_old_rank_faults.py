@@ -236,7 +236,11 @@ async def test_an_old_rank_lost_during_a_scale_leaves_the_healthy_ones_serving(
         # Pausing ranks vote: the vote names the stopped rank first.
         ("lockstep", "the engine ended: EngineDeadError: rank 1 is stopped (SIGSTOP"),
         # No collective: only the scale's bounded call notices it.
-        ("independent", "the engine cannot go on: RanksUnanswered: rank 1 did not answer "),
+        pytest.param(
+            "independent",
+            "the engine cannot go on: RanksUnanswered: rank 1 did not answer ",
+            marks=_SOAK_ONLY,
+        ),
     ],
 )
 async def test_with_fail_a_rank_stopped_during_a_scale_ends_the_engine_named(

@@ -97,7 +97,8 @@ def run(core: EngineCore, prompts: list[str], params: SamplingParams) -> list[li
     return [outputs[str(number)] for number in range(len(prompts))]
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+# Batch 1 runs in `make soak`: three rows verify drafts of different lengths at once.
+@pytest.mark.parametrize("batch", [pytest.param(1, marks=pytest.mark.soak), 3])
 def test_greedy_outputs_are_plain_decodings(
     cores: tuple[EngineCore, EngineCore], batch: int
 ) -> None:

@@ -80,15 +80,16 @@ def test_a_request_with_pauses_a_sleep_or_a_scale_is_explored_to_its_end(name: s
 
 
 # Votes every 2 steps, where a draining rank's vote meets a second request (the
-# stalled request's search to its end at interval 1 is test_regressions').
+# stalled request's search to its end at interval 1 is test_regressions'). Three run
+# in `make soak` only; `make check-protocol` explores every scenario at interval 2.
 @pytest.mark.parametrize(
     ("name", "depth", "complete"),
     [
         ("request-stalls-and-pause-wait", 60, True),
-        ("requests-3", 60, True),
+        pytest.param("requests-3", 60, True, marks=pytest.mark.soak),
         ("requests-2-and-pause-wait", 18, False),
-        ("request-pause-keep-then-sleep-wait", 60, True),
-        ("request-pause-wait-then-pause-abort", 60, True),
+        pytest.param("request-pause-keep-then-sleep-wait", 60, True, marks=pytest.mark.soak),
+        pytest.param("request-pause-wait-then-pause-abort", 60, True, marks=pytest.mark.soak),
     ],
 )
 def test_the_scenarios_of_issue_29_hold_at_interval_2(

@@ -34,7 +34,16 @@ pytestmark = [
 ]
 
 HANG_GUARD = 240
-CONFIG = EngineConfig(device="cpu", kv_cache_memory=64 * 2**20, max_model_len=256)
+# float32 named, not "auto": these tests compare engines built from different weight
+# files, and "auto" measures its plan per model (a plan measured under load may pick
+# another kernel for the saved copy, whose near-ties then break otherwise).
+CONFIG = EngineConfig(
+    device="cpu",
+    weights="float32",
+    dtype="float32",
+    kv_cache_memory=64 * 2**20,
+    max_model_len=256,
+)
 PROMPT = "The capital of France is"
 COUNT = 16
 GREEDY = SamplingParams(max_tokens=COUNT, temperature=0)
@@ -75,6 +84,8 @@ def build_core_with(tensors: dict[str, torch.Tensor]) -> EngineCore:
         device=CONFIG.device,
         kv_cache_memory=CONFIG.kv_cache_memory,
         max_model_len=CONFIG.max_model_len,
+        weights=CONFIG.weights,
+        dtype=CONFIG.dtype,
     )
     return EngineCore(
         executor=executor,
