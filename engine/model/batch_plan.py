@@ -7,6 +7,7 @@ Tokens are reordered: the batch's single-token chunks (decodes) first, sorted by
 context length and cut into groups (`decode_groups`), then the prefill chunks'
 tokens. Only attention cares about the order (see `attention.py`); `sample_rows`
 maps each sampling chunk, in batch order, to the row of its last token.
+`lora_rows` names each LoRA adapter's rows (none in a step of the base model only).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class ForwardPlan:
     slot_mapping: torch.Tensor  # [tokens] int64, flat KV slot each token is written to
     sample_rows: torch.Tensor  # [sampling chunks] int64
     attention: AttentionPlan
+    # Per adapter named by a chunk: its rows as `[start, end)`, or (when they are not
+    # contiguous) a tensor of row indices with start == end == 0.
+    lora_rows: tuple[tuple[str, int, int, torch.Tensor | None], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -187,7 +191,36 @@ def plan_forward(
         slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64).to(device),
         attention=AttentionPlan(decodes=tuple(decode_plans), prefills=tuple(prefill_plans)),
+        lora_rows=_lora_rows(decodes, prefills, device),
     )
+
+
+def _lora_rows(
+    decodes: Sequence[SequenceChunk], prefills: Sequence[SequenceChunk], device: torch.device
+) -> tuple[tuple[str, int, int, torch.Tensor | None], ...]:
+    """Each adapter's rows, in the order `plan_forward` lays the tokens out."""
+    if not any(c.lora is not None for c in decodes) and not any(
+        c.lora is not None for c in prefills
+    ):
+        return ()
+    rows: dict[str, list[int]] = {}
+    for row, chunk in enumerate(decodes):
+        if chunk.lora is not None:
+            rows.setdefault(chunk.lora, []).append(row)
+    row = len(decodes)
+    for chunk in prefills:
+        count = len(chunk.token_ids)
+        if chunk.lora is not None:
+            rows.setdefault(chunk.lora, []).extend(range(row, row + count))
+        row += count
+    groups = []
+    for name, taken in rows.items():
+        start, end = taken[0], taken[-1] + 1
+        if end - start == len(taken):  # ascending by construction: contiguous
+            groups.append((name, start, end, None))
+        else:
+            groups.append((name, 0, 0, torch.tensor(taken, dtype=torch.int64).to(device)))
+    return tuple(groups)
 
 
 def _decode_plan(
