@@ -190,7 +190,9 @@ def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
-        raise LoRAError(f"LoRA adapter {file}: cannot read it, truncated or corrupt ({error})")
+        raise LoRAError(
+            f"LoRA adapter {file}: cannot read it, truncated or corrupt ({error})"
+        ) from None
 
 
 def _modules(
