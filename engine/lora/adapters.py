@@ -200,19 +200,17 @@ class LoRAStore:
         resident in place of the least recently used unpinned adapters not named."""
         for name in names:
             self._known(name)
-        needed = set(names) | self._pinned
-        if len(needed) > self.max_loras:
+        if len(set(names)) > self.max_loras:
             raise LoRAError(
-                f"a step needs {len(needed)} LoRA adapters resident ({', '.join(sorted(needed))}"
-                f"), more than max_loras={self.max_loras}"
+                f"a step needs {len(set(names))} LoRA adapters resident "
+                f"({', '.join(sorted(names))}), more than max_loras={self.max_loras}"
             )
         active = {}
         for name in names:
             adapter = self._resident.get(name)
             if adapter is None:
                 while len(self._resident) >= self.max_loras:
-                    victim = next(n for n in self._resident if n not in needed)
-                    del self._resident[victim]
+                    del self._resident[self._victim(names)]
                 adapter = self._host[name].to(self._device, self._dtype)
                 self._resident[name] = adapter
                 self.swaps += 1
@@ -220,6 +218,13 @@ class LoRAStore:
                 self._resident.move_to_end(name)
             active[name] = adapter
         return active
+
+    def _victim(self, names: Collection[str]) -> str:
+        """The least recently used adapter this step does not need, unpinned if there
+        is one. (A pinned one goes only when a pin came while every slot was in use by
+        running requests: the scheduler then admits no other adapter until it is back.)"""
+        spare = [n for n in self._resident if n not in names]
+        return next((n for n in spare if n not in self._pinned), spare[0])
 
     def evict_all(self) -> None:
         """Drop every device copy (a sleep); the host copies stay."""

@@ -325,6 +325,10 @@ class ModelExecutor:
     def pin_lora(self, name: str) -> None:
         self._lora_store().pin(name)
 
+    @property
+    def pinned_loras(self) -> frozenset[str]:
+        return self._loras.pinned if self._loras is not None else frozenset()
+
     @remote_callable
     def list_loras(self) -> list[str]:
         return self._lora_store().names() if self._loras is not None else []
