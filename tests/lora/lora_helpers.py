@@ -77,7 +77,36 @@ def write_tiny_model(directory: Path, seed: int = 0) -> Path:
     }
     (directory / "config.json").write_text(json.dumps(config))
     save_file(state, str(directory / "model.safetensors"))
+    write_byte_tokenizer(directory)
     return directory
+
+
+def write_byte_tokenizer(directory: Path) -> None:
+    """A `tokenizer.json` whose ids are the `ByteTokenizer`'s (byte b is token b, EOS
+    256), for the front end of a DP engine, which reads the model's own tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = _bytes_to_unicode()
+    vocab = {alphabet[b]: b for b in range(256)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<|eos|>", special=True)])
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars), strict=True))
 
 
 def write_adapter(
