@@ -70,7 +70,10 @@ BuildCore = Callable[[EngineConfig], EngineCore]
 
 # How a rank was reached, how long it may take to start, how far the client may scale
 # and whether it restarts lost ranks change nothing a rank computes.
-_DEPLOYMENT_FIELDS = frozenset({"transport", "startup_timeout", "max_dp_size", "restart_ranks"})
+# `lora_modules` are the front end's to load (`Engine.add_lora` on every rank).
+_DEPLOYMENT_FIELDS = frozenset(
+    {"transport", "startup_timeout", "max_dp_size", "restart_ranks", "lora_modules"}
+)
 
 
 def describe_config(config: EngineConfig) -> dict[str, str]:

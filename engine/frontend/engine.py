@@ -418,6 +418,10 @@ class FrontEnd:
         self._check_open()
         return [self._loras.adapters[name] for name in self._loras.names()]
 
+    def lora_names(self) -> list[str]:
+        """The adapters loaded, without a call (for the server's `model` field)."""
+        return self._loras.names()
+
     def lora_in_flight(self) -> dict[str, int]:
         """Requests in flight per adapter (for `/metrics`)."""
         return {name: count for name, count in self._loras.in_flight.items() if count}
