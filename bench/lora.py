@@ -2,11 +2,12 @@
 
 Part 1, the delta kernel: one fused product's LoRA delta (SmolLM2-135M's qkv, 576 ->
 960, every target at rank 16, so R = 48) for a step of T tokens spread over K
-adapters, the way wavecore computes it (grouped per adapter: a slice for a contiguous
-run, `index_select` + `index_add_` for rows scattered among the decodes) against a
+adapters, the way wavecore computes it (grouped per adapter: a slice per adapter for
+contiguous runs; rows scattered among the decodes gathered once in adapter order, one
+run per adapter, and added back in one `index_add_`) against a
 gather-based batched product (each token's own `a` and `b` gathered from the stacked
 adapters, then one `bmm` per side for all tokens, as punica's BGMV does on GPUs), and
-beside the base product itself. On a CUDA device too when one is present (bfloat16).
+beside the base product itself (float32 BLAS). On a CUDA device too when one is present (bfloat16).
 
 Part 2, end to end (one rank in this process, the real model as `open_engine` loads it
 by default, greedy, `ignore_eos`): 32 concurrent requests of the same prompts, in the
@@ -35,7 +36,7 @@ from safetensors.torch import save_file
 from wavecore.engine.api import open_engine
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.lora.adapters import Adapter, AdapterLayer, FusedDelta
-from wavecore.engine.lora.compute import LoRAGroup, add_lora
+from wavecore.engine.lora.compute import LoRARows, add_lora
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.sampling_params import SamplingParams
 
@@ -98,21 +99,23 @@ def _delta_case(
         Adapter(LoRARequest(f"a{i}", "/x"), RANK, (AdapterLayer(d, None, None, None),))
         for i, d in enumerate(deltas)
     ]
-    # Decode-like: adapters interleaved token by token (scattered rows).
+    # Decode-like: adapters interleaved token by token (scattered rows), as the engine
+    # plans them: gathered in adapter order, one run per adapter.
     owner = torch.arange(tokens) % count
-    groups = tuple(
-        LoRAGroup(adapters[0], 0, tokens)
-        if count == 1
-        else LoRAGroup(adapters[i], 0, 0, (owner == i).nonzero().flatten().to(device))
-        for i in range(count)
-    )
+    if count == 1:
+        rows = LoRARows(((adapters[0], 0, tokens),))
+    else:
+        order = torch.cat([(owner == i).nonzero().flatten() for i in range(count)])
+        bounds = torch.bincount(owner, minlength=count).cumsum(0).tolist()
+        runs = zip(adapters, [0, *bounds[:-1]], bounds, strict=True)
+        rows = LoRARows(tuple(runs), order.to(device))
     stacked_a = torch.stack([d.a for d in deltas])  # [K, in, R]
     stacked_b = torch.stack([d.b for d in deltas])  # [K, R, out]
     index = owner.to(device)
     out = torch.zeros(tokens, QKV_OUT, device=device, dtype=dtype)
 
     def grouped() -> None:
-        add_lora(out, x, groups, 0, "qkv")
+        add_lora(out, x, rows, 0, "qkv")
 
     def gathered() -> None:
         a = stacked_a.index_select(0, index)  # [T, in, R]

@@ -422,10 +422,6 @@ class FrontEnd:
         """The adapters loaded, without a call (for the server's `model` field)."""
         return self._loras.names()
 
-    def lora_in_flight(self) -> dict[str, int]:
-        """Requests in flight per adapter (for `/metrics`)."""
-        return {name: count for name, count in self._loras.in_flight.items() if count}
-
     # -- weights ---------------------------------------------------------------------
 
     @property

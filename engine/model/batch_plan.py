@@ -30,9 +30,11 @@ class ForwardPlan:
     slot_mapping: torch.Tensor  # [tokens] int64, flat KV slot each token is written to
     sample_rows: torch.Tensor  # [sampling chunks] int64
     attention: AttentionPlan
-    # Per adapter named by a chunk: its rows as `[start, end)`, or (when they are not
-    # contiguous) a tensor of row indices with start == end == 0.
-    lora_rows: tuple[tuple[str, int, int, torch.Tensor | None], ...] = ()
+    # Per adapter named by a chunk: its rows `[start, end)` of the batch, or, when some
+    # adapter's rows are not contiguous (decodes are ordered by context length), of
+    # the batch's rows taken in the order `lora_order` lists them (sorted by adapter).
+    lora_rows: tuple[tuple[str, int, int], ...] = ()
+    lora_order: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -185,42 +187,16 @@ def plan_forward(
         if c.sample
         for row in range(last_row[c.request_id] - c.num_draft_tokens, last_row[c.request_id] + 1)
     ]
+    lora_rows, lora_order = _lora_rows(decodes, prefills, device)
     return ForwardPlan(
         token_ids=torch.tensor(token_ids, dtype=torch.int64).to(device),
         positions=torch.from_numpy(np.concatenate(positions)).to(device),
         slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64).to(device),
         attention=AttentionPlan(decodes=tuple(decode_plans), prefills=tuple(prefill_plans)),
-        lora_rows=_lora_rows(decodes, prefills, device),
+        lora_rows=lora_rows,
+        lora_order=lora_order,
     )
-
-
-def _lora_rows(
-    decodes: Sequence[SequenceChunk], prefills: Sequence[SequenceChunk], device: torch.device
-) -> tuple[tuple[str, int, int, torch.Tensor | None], ...]:
-    """Each adapter's rows, in the order `plan_forward` lays the tokens out."""
-    if not any(c.lora is not None for c in decodes) and not any(
-        c.lora is not None for c in prefills
-    ):
-        return ()
-    rows: dict[str, list[int]] = {}
-    for row, chunk in enumerate(decodes):
-        if chunk.lora is not None:
-            rows.setdefault(chunk.lora, []).append(row)
-    row = len(decodes)
-    for chunk in prefills:
-        count = len(chunk.token_ids)
-        if chunk.lora is not None:
-            rows.setdefault(chunk.lora, []).extend(range(row, row + count))
-        row += count
-    groups = []
-    for name, taken in rows.items():
-        start, end = taken[0], taken[-1] + 1
-        if end - start == len(taken):  # ascending by construction: contiguous
-            groups.append((name, start, end, None))
-        else:
-            groups.append((name, 0, 0, torch.tensor(taken, dtype=torch.int64).to(device)))
-    return tuple(groups)
 
 
 def _decode_plan(
@@ -250,3 +226,33 @@ def _decode_plan(
         context_len=context,
         mask=mask,
     )
+
+
+def _lora_rows(
+    decodes: Sequence[SequenceChunk], prefills: Sequence[SequenceChunk], device: torch.device
+) -> tuple[tuple[tuple[str, int, int], ...], torch.Tensor | None]:
+    """Each adapter's rows, in the order `plan_forward` lays the tokens out, as
+    `LoRARows` holds them."""
+    if not any(c.lora is not None for c in decodes) and not any(
+        c.lora is not None for c in prefills
+    ):
+        return (), None
+    rows: dict[str, list[int]] = {}
+    for row, chunk in enumerate(decodes):
+        if chunk.lora is not None:
+            rows.setdefault(chunk.lora, []).append(row)
+    row = len(decodes)
+    for chunk in prefills:
+        count = len(chunk.token_ids)
+        if chunk.lora is not None:
+            rows.setdefault(chunk.lora, []).extend(range(row, row + count))
+        row += count
+    # Ascending by construction: a run is contiguous when its span equals its length.
+    if all(taken[-1] + 1 - taken[0] == len(taken) for taken in rows.values()):
+        return tuple((name, taken[0], taken[-1] + 1) for name, taken in rows.items()), None
+    groups = []
+    order: list[int] = []
+    for name, taken in rows.items():
+        groups.append((name, len(order), len(order) + len(taken)))
+        order.extend(taken)
+    return tuple(groups), torch.tensor(order, dtype=torch.int64).to(device)

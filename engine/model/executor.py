@@ -47,7 +47,7 @@ from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosed
 from wavecore.engine.executors.rpc import remote_callable
 from wavecore.engine.executors.weight_specs import check_update
 from wavecore.engine.lora.adapters import LoRAStore
-from wavecore.engine.lora.compute import LoRAGroup
+from wavecore.engine.lora.compute import LoRARows
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.model.batch_plan import CacheGeometry, ForwardPlan, plan_forward
 from wavecore.engine.model.config import ModelConfig
@@ -291,12 +291,12 @@ class ModelExecutor:
                 return torch.empty(0, self.config.vocab_size)
             if not plan.lora_rows:
                 return model.forward(plan, cache)
-            return model.forward(plan, cache, self._lora_groups(plan))
+            return model.forward(plan, cache, self._lora_rows(plan))
 
-    def _lora_groups(self, plan: ForwardPlan) -> tuple[LoRAGroup, ...]:
+    def _lora_rows(self, plan: ForwardPlan) -> LoRARows:
         """The step's adapters made resident, with their rows; an adapter this executor
         does not hold refuses the batch before the forward writes anything."""
-        names = [name for name, _, _, _ in plan.lora_rows]
+        names = [name for name, _, _ in plan.lora_rows]
         if self._loras is None:
             raise InvalidBatchError(
                 f"the batch names LoRA adapter(s) {names}, but LoRA is not enabled"
@@ -305,8 +305,9 @@ class ModelExecutor:
             active = self._loras.activate(names)
         except (LoRAError, UnknownLoRAError) as error:
             raise InvalidBatchError(str(error)) from None
-        return tuple(
-            LoRAGroup(active[name], start, end, rows) for name, start, end, rows in plan.lora_rows
+        return LoRARows(
+            tuple((active[name], start, end) for name, start, end in plan.lora_rows),
+            plan.lora_order,
         )
 
     # -- LoRA adapters (on the model thread, between steps) ----------------------------

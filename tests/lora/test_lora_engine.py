@@ -34,6 +34,7 @@ from wavecore.engine.model.executor import ModelExecutor
 from wavecore.engine.model.resolve import resolve_model_source
 from wavecore.engine.sampling.byte_tokenizer import EOS_TOKEN_ID
 from wavecore.engine.sampling_params import SamplingParams
+from wavecore.engine.structured_outputs import StructuredOutputs
 
 pytestmark = pytest.mark.anyio
 
@@ -43,6 +44,8 @@ PROMPTS = [
     "The same prompt, long enough to fill two blocks: 0123456789",
     "A second prompt of its own, also filling two blocks: abcdefgh",
     "Short one",
+    # Repeats, so that n-gram speculative decoding finds drafts.
+    "abc abc abc abc abc abc abc abc abc abc",
 ]
 ADAPTERS = ("A", "B", "C")
 
@@ -317,3 +320,23 @@ def test_the_cli_runs_its_prompts_under_an_adapter(files, reference, tmp_path: P
     if EOS_TOKEN_ID in expected:  # the CLI stops at EOS, the reference ran past it
         expected = expected[: expected.index(EOS_TOKEN_ID) + 1]
     assert row["token_ids"] == expected
+
+
+async def test_structured_output_and_speculative_decoding_under_adapters(
+    engine, files, reference
+) -> None:
+    choices = ("lighthouse", "harbour", "tide")
+    params = SamplingParams(
+        max_tokens=20, temperature=0.0, structured_outputs=StructuredOutputs(choice=choices)
+    )
+    with anyio.fail_after(HANG_GUARD):
+        for lora in ("A", "B"):
+            await ensure_loaded(engine, files, lora)
+            text = "".join([d.text async for d in engine.generate("Pick: ", params, lora=lora)])
+            assert text in choices
+    config = config_for(files, speculative_method="ngram", num_speculative_tokens=4)
+    async with open_engine_core(functools.partial(build_lora_core, config), config=config) as e:
+        await ensure_loaded(e, files, *ADAPTERS)
+        asks = [(PROMPTS[3], lora) for lora in (None, "A", "B")]
+        assert await run_all(e, asks) == {ask: reference[ask] for ask in asks}
+        assert (await e.stats()).ranks[0].core.spec_decode_num_drafts > 0
