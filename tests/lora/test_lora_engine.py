@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -32,7 +31,6 @@ from wavecore.engine.interface import Engine
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.model.executor import ModelExecutor
 from wavecore.engine.model.resolve import resolve_model_source
-from wavecore.engine.sampling.byte_tokenizer import EOS_TOKEN_ID
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.structured_outputs import StructuredOutputs
 
@@ -301,25 +299,6 @@ async def test_a_pinned_adapter_stays_resident(files, reference) -> None:
         await e.pin_lora("B")
         with pytest.raises(LoRAError, match="slots hold pinned adapters"):
             await tokens_of(e, PROMPTS[0], "C")
-
-
-def test_the_cli_runs_its_prompts_under_an_adapter(files, reference, tmp_path: Path) -> None:
-    from wavecore.engine.cli.main import main
-
-    output = tmp_path / "out.jsonl"
-    argv = [
-        "generate",
-        *("--model", str(files["model"]), "--weights", "float32", "--dtype", "float32"),
-        *("--device", "cpu", "--kv-cache-memory", str(2**20), "--max-tokens", str(TOKENS)),
-        *("--lora-modules", f"A={files['A']}", "--lora", "A", "--temperature", "0"),
-        *("--prompt", PROMPTS[0], "--output", str(output)),
-    ]
-    assert main(argv) == 0
-    (row,) = [json.loads(line) for line in output.read_text().splitlines()]
-    expected = reference[(PROMPTS[0], "A")]
-    if EOS_TOKEN_ID in expected:  # the CLI stops at EOS, the reference ran past it
-        expected = expected[: expected.index(EOS_TOKEN_ID) + 1]
-    assert row["token_ids"] == expected
 
 
 async def test_structured_output_and_speculative_decoding_under_adapters(
