@@ -2,12 +2,14 @@
 
 Part 1, the delta kernel: one fused product's LoRA delta (SmolLM2-135M's qkv, 576 ->
 960, every target at rank 16, so R = 48) for a step of T tokens spread over K
-adapters, the way wavecore computes it (grouped per adapter: a slice per adapter for
-contiguous runs; rows scattered among the decodes gathered once in adapter order, one
-run per adapter, and added back in one `index_add_`) against a
-gather-based batched product (each token's own `a` and `b` gathered from the stacked
-adapters, then one `bmm` per side for all tokens, as punica's BGMV does on GPUs), and
-beside the base product itself (float32 BLAS). On a CUDA device too when one is present (bfloat16).
+adapters interleaved token by token (as decodes of several adapters are), three ways:
+wavecore's (one adapter: a slice; several: every row against the adapters stacked, its
+own columns kept by a mask, `compute.MixedDecodes`: three ops whatever the count),
+grouped by a gather in adapter order (one `index_select`, two products per adapter, one
+`index_add_`), and a gather-based batched product (each token's own `a` and `b`
+gathered from the stacked adapters, then one `bmm` per side for all tokens, as
+punica's BGMV does on GPUs); beside the base product itself (float32 BLAS). On a CUDA
+device too when one is present (bfloat16).
 
 Part 2, end to end (one rank in this process, the real model as `open_engine` loads it
 by default, greedy, `ignore_eos`): 32 concurrent requests of the same prompts, in the
@@ -35,8 +37,8 @@ from safetensors.torch import save_file
 
 from wavecore.engine.api import open_engine
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.lora.adapters import Adapter, AdapterLayer, FusedDelta
-from wavecore.engine.lora.compute import LoRARows, add_lora
+from wavecore.engine.lora.adapters import Adapter, AdapterLayer, FusedDelta, StackedAdapters
+from wavecore.engine.lora.compute import LoRARows, MixedDecodes, add_lora
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.sampling_params import SamplingParams
 
@@ -76,6 +78,7 @@ def delta_kernels(device: torch.device, dtype: torch.dtype, quick: bool) -> list
     repeats = 5 if quick else 30
     with torch.inference_mode():
         _timed(lambda: rand(512, HIDDEN) @ weight, 10, device)  # thread pools up
+        _delta_case(rand, weight, 1, 1, repeats, device, dtype)  # the first case, discarded
         return [
             _delta_case(rand, weight, tokens, count, repeats, device, dtype)
             for tokens in (1, 8, 32, 128, 512)
@@ -99,23 +102,29 @@ def _delta_case(
         Adapter(LoRARequest(f"a{i}", "/x"), RANK, (AdapterLayer(d, None, None, None),))
         for i, d in enumerate(deltas)
     ]
-    # Decode-like: adapters interleaved token by token (scattered rows), as the engine
-    # plans them: gathered in adapter order, one run per adapter.
+    # Decode-like: adapters interleaved token by token (scattered rows).
     owner = torch.arange(tokens) % count
     if count == 1:
         rows = LoRARows(((adapters[0], 0, tokens),))
     else:
-        order = torch.cat([(owner == i).nonzero().flatten() for i in range(count)])
-        bounds = torch.bincount(owner, minlength=count).cumsum(0).tolist()
-        runs = zip(adapters, [0, *bounds[:-1]], bounds, strict=True)
-        rows = LoRARows(tuple(runs), order.to(device))
+        rows = LoRARows((), MixedDecodes(StackedAdapters(adapters), owner.to(device)))
+    order = torch.cat([(owner == i).nonzero().flatten() for i in range(count)]).to(device)
+    bounds = torch.bincount(owner, minlength=count).cumsum(0).tolist()
+    runs = list(zip(deltas, [0, *bounds[:-1]], bounds, strict=True))
     stacked_a = torch.stack([d.a for d in deltas])  # [K, in, R]
     stacked_b = torch.stack([d.b for d in deltas])  # [K, R, out]
     index = owner.to(device)
     out = torch.zeros(tokens, QKV_OUT, device=device, dtype=dtype)
 
-    def grouped() -> None:
+    def wavecore() -> None:
         add_lora(out, x, rows, 0, "qkv")
+
+    def sorted_gather() -> None:
+        taken = x.index_select(0, order)
+        deltas_out = torch.empty(tokens, QKV_OUT, device=device, dtype=dtype)
+        for delta, start, end in runs:
+            torch.mm(taken[start:end] @ delta.a, delta.b, out=deltas_out[start:end])
+        out.index_add_(0, order, deltas_out)
 
     def gathered() -> None:
         a = stacked_a.index_select(0, index)  # [T, in, R]
@@ -128,7 +137,8 @@ def _delta_case(
         "tokens": tokens,
         "adapters": count,
         "base_ms": _timed(lambda: x @ weight, repeats, device),
-        "grouped_ms": _timed(grouped, repeats, device),
+        "wavecore_ms": _timed(wavecore, repeats, device),
+        "sorted_gather_ms": _timed(sorted_gather, repeats, device),
         "gather_bmm_ms": _timed(gathered, repeats, device),
     }
 
@@ -226,12 +236,13 @@ def main() -> None:
         kernels += delta_kernels(torch.device("cuda"), torch.bfloat16, args.quick)
     result["delta_kernels"] = kernels
     print(f"LoRA delta of one qkv product, R={R} ({machine['cpu']}, {machine['cpus']} CPUs)")
-    print(f"{'device':<6} {'tokens':>6} {'adapters':>8} {'base ms':>8} {'grouped ms':>10} "
-          f"{'gather-bmm ms':>13}")  # fmt: skip
+    print(f"{'device':<6} {'tokens':>6} {'adapters':>8} {'base ms':>8} {'wavecore ms':>11} "
+          f"{'sorted-gather ms':>16} {'gather-bmm ms':>13}")  # fmt: skip
     for row in kernels:
         print(
             f"{row['device']:<6} {row['tokens']:>6} {row['adapters']:>8} {row['base_ms']:>8.3f} "
-            f"{row['grouped_ms']:>10.3f} {row['gather_bmm_ms']:>13.3f}"
+            f"{row['wavecore_ms']:>11.3f} {row['sorted_gather_ms']:>16.3f} "
+            f"{row['gather_bmm_ms']:>13.3f}"
         )
     if not args.skip_engine:
         runs = anyio.run(end_to_end, args.quick)

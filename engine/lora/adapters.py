@@ -19,7 +19,7 @@ them after a wake-up (upstream drops them at level 2; wavecore keeps them).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +75,55 @@ class Adapter:
         )
 
 
+PRODUCTS = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass(frozen=True, slots=True)
+class StackedDelta:
+    """Several adapters' `FusedDelta`s of one product as one: their `a` side by side,
+    their `b` stacked, and `columns`, the index of the adapter each of the `R` columns
+    of `x @ a` belongs to."""
+
+    a: torch.Tensor  # [in, sum of R]
+    b: torch.Tensor  # [sum of R, out]
+    columns: torch.Tensor  # [sum of R] int64
+
+
+class StackedAdapters:
+    """Adapters stacked per layer and product (`StackedDelta`, None where none of them
+    targets it), for decodes that mix them (`compute.MixedDecodes`)."""
+
+    def __init__(self, adapters: Sequence[Adapter]) -> None:
+        self.names = tuple(adapter.request.name for adapter in adapters)
+        # One column-owner tensor per layout, shared by the layers that have it (the
+        # forward builds one mask per tensor per step).
+        layouts: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
+        layers = []
+        for index in range(len(adapters[0].layers)):
+            stacked: dict[str, StackedDelta | None] = {}
+            for product in PRODUCTS:
+                parts = [
+                    (number, delta)
+                    for number, adapter in enumerate(adapters)
+                    if (delta := getattr(adapter.layers[index], product)) is not None
+                ]
+                if not parts:
+                    stacked[product] = None
+                    continue
+                layout = tuple((number, delta.a.shape[1]) for number, delta in parts)
+                columns = layouts.get(layout)
+                if columns is None:
+                    owners = [torch.full((width,), number) for number, width in layout]
+                    columns = layouts[layout] = torch.cat(owners).to(parts[0][1].a.device)
+                stacked[product] = StackedDelta(
+                    torch.cat([delta.a for _, delta in parts], dim=1),
+                    torch.cat([delta.b for _, delta in parts]),
+                    columns,
+                )
+            layers.append(stacked)
+        self.layers = tuple(layers)
+
+
 def _fused_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
     """Each fused product's targets with the first output column each one fills."""
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
@@ -116,6 +165,10 @@ def build_adapter(request: LoRARequest, peft: PeftAdapter, config: ModelConfig) 
     return Adapter(request, peft.rank, tuple(layers))
 
 
+# Stacked sets kept (`LoRAStore.stacked`): each is a copy of its adapters.
+_STACKED_SETS = 2
+
+
 class LoRAStore:
     """Every adapter added, in host memory; up to `max_loras` on the device."""
 
@@ -135,6 +188,8 @@ class LoRAStore:
         self._dtype = dtype
         self._host: dict[str, Adapter] = {}
         self._resident: OrderedDict[str, Adapter] = OrderedDict()  # least recent first
+        # Stacked copies of resident adapters that decodes mixed lately (most recent last).
+        self._stacked: OrderedDict[tuple[str, ...], StackedAdapters] = OrderedDict()
         self._pinned: set[str] = set()
         # Adapters copied into a device slot since start (a pinned one stays there).
         self.swaps = 0
@@ -161,7 +216,7 @@ class LoRAStore:
     def remove(self, name: str) -> None:
         self._known(name)
         del self._host[name]
-        self._resident.pop(name, None)
+        self._leave_device(name)
         self._pinned.discard(name)
 
     def pin(self, name: str) -> None:
@@ -210,7 +265,7 @@ class LoRAStore:
             adapter = self._resident.get(name)
             if adapter is None:
                 while len(self._resident) >= self.max_loras:
-                    del self._resident[self._victim(names)]
+                    self._leave_device(self._victim(names))
                 adapter = self._host[name].to(self._device, self._dtype)
                 self._resident[name] = adapter
                 self.swaps += 1
@@ -226,9 +281,29 @@ class LoRAStore:
         spare = [n for n in self._resident if n not in names]
         return next((n for n in spare if n not in self._pinned), spare[0])
 
+    def stacked(self, names: tuple[str, ...]) -> StackedAdapters:
+        """The resident adapters `names` stacked (`StackedAdapters`): built on first use
+        and kept while they stay resident (the last two sets), as decodes tend to mix
+        the same adapters step after step."""
+        stacked = self._stacked.get(names)
+        if stacked is None:
+            stacked = StackedAdapters([self._resident[name] for name in names])
+            self._stacked[names] = stacked
+            while len(self._stacked) > _STACKED_SETS:
+                self._stacked.popitem(last=False)
+        else:
+            self._stacked.move_to_end(names)
+        return stacked
+
+    def _leave_device(self, name: str) -> None:
+        self._resident.pop(name, None)
+        for names in [names for names in self._stacked if name in names]:
+            del self._stacked[names]
+
     def evict_all(self) -> None:
         """Drop every device copy (a sleep); the host copies stay."""
         self._resident.clear()
+        self._stacked.clear()
 
     def _known(self, name: str) -> None:
         if name not in self._host:

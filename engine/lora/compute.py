@@ -21,41 +21,50 @@ from dataclasses import dataclass
 
 import torch
 
-from wavecore.engine.lora.adapters import Adapter, FusedDelta
+from wavecore.engine.lora.adapters import Adapter, FusedDelta, StackedAdapters
+
+
+class MixedDecodes:
+    """The decode rows `[0, len(owner))` when they mix adapters: `owner[row]` is the
+    index of the row's adapter in `stacked` (-1: the base model). Each row's delta is
+    taken against every adapter at once and masked to its own adapter's columns."""
+
+    def __init__(self, stacked: StackedAdapters, owner: torch.Tensor) -> None:
+        self.stacked = stacked
+        self.owner = owner
+        self.rows = int(owner.shape[0])
+        self._masks: dict[int, torch.Tensor] = {}  # by column layout (its tensor's id)
+
+    def mask(self, columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`[rows, R]`: 1 where column `c` is the row's own adapter's."""
+        mask = self._masks.get(id(columns))
+        if mask is None:
+            mask = (self.owner[:, None] == columns[None, :]).to(dtype)
+            self._masks[id(columns)] = mask
+        return mask
 
 
 @dataclass(frozen=True, slots=True)
 class LoRARows:
-    """A step's rows per adapter: `groups` are `(adapter, start, end)` runs of the rows
-    of `x`, or, with `order`, of `x.index_select(0, order)` (the rows sorted by
-    adapter, so that each adapter's rows are one run however the batch orders them)."""
+    """A step's rows per adapter: contiguous `runs` `(adapter, start, end)`, and the
+    decodes when they mix adapters (`mixed`)."""
 
-    groups: tuple[tuple[Adapter, int, int], ...]
-    order: torch.Tensor | None = None
+    runs: tuple[tuple[Adapter, int, int], ...]
+    mixed: MixedDecodes | None = None
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, lora: LoRARows, layer: int, product: str) -> None:
     """`out[rows] += (x[rows] @ a) @ b` for each adapter's `product` delta at `layer`."""
-    present = []
-    for adapter, start, end in lora.groups:
+    for adapter, start, end in lora.runs:
         delta: FusedDelta | None = getattr(adapter.layers[layer], product)
         if delta is not None:
-            present.append((delta, start, end))
-    if not present:
-        return
-    order = lora.order
-    if order is None:
-        for delta, start, end in present:
             out[start:end].addmm_(x[start:end] @ delta.a, delta.b)
+    mixed = lora.mixed
+    if mixed is None:
         return
-    # One gather and one scatter for every adapter of the step: rows of adapters that
-    # do not target this product stay zero.
-    # (`gate`, a column slice of gate_up, is strided: index_select on it took 40x the
-    # time of a copy and a gather on a 2-core Xeon.)
-    taken = x.contiguous().index_select(0, order)
-    shape = (order.shape[0], out.shape[1])
-    every = len(present) == len(lora.groups)
-    deltas = x.new_empty(shape) if every else x.new_zeros(shape)
-    for delta, start, end in present:
-        torch.mm(taken[start:end] @ delta.a, delta.b, out=deltas[start:end])
-    out.index_add_(0, order, deltas)
+    stacked = mixed.stacked.layers[layer][product]
+    if stacked is not None:
+        rows = mixed.rows
+        h = x[:rows] @ stacked.a
+        h.mul_(mixed.mask(stacked.columns, h.dtype))
+        out[:rows].addmm_(h, stacked.b)

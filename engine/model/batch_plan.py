@@ -7,7 +7,8 @@ Tokens are reordered: the batch's single-token chunks (decodes) first, sorted by
 context length and cut into groups (`decode_groups`), then the prefill chunks'
 tokens. Only attention cares about the order (see `attention.py`); `sample_rows`
 maps each sampling chunk, in batch order, to the row of its last token.
-`lora_rows` names each LoRA adapter's rows (none in a step of the base model only).
+`lora_runs`, `lora_mixed` and `lora_owner` say which rows run under which LoRA adapter
+(empty in a step of the base model only).
 """
 
 from __future__ import annotations
@@ -30,11 +31,18 @@ class ForwardPlan:
     slot_mapping: torch.Tensor  # [tokens] int64, flat KV slot each token is written to
     sample_rows: torch.Tensor  # [sampling chunks] int64
     attention: AttentionPlan
-    # Per adapter named by a chunk: its rows `[start, end)` of the batch, or, when some
-    # adapter's rows are not contiguous (decodes are ordered by context length), of
-    # the batch's rows taken in the order `lora_order` lists them (sorted by adapter).
-    lora_rows: tuple[tuple[str, int, int], ...] = ()
-    lora_order: torch.Tensor | None = None
+    # LoRA adapters: contiguous runs of rows `(name, start, end)` (prefill chunks, or the
+    # decodes when they are all of one adapter), and the decodes' adapters when they
+    # mix (decodes are ordered by context length): `lora_mixed`, with `lora_owner`
+    # giving each decode row's index among them (-1: the base model).
+    lora_runs: tuple[tuple[str, int, int], ...] = ()
+    lora_mixed: tuple[str, ...] = ()
+    lora_owner: torch.Tensor | None = None
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """Every adapter the step names, once each."""
+        return tuple(dict.fromkeys([*self.lora_mixed, *(run[0] for run in self.lora_runs)]))
 
     @property
     def num_tokens(self) -> int:
@@ -187,15 +195,16 @@ def plan_forward(
         if c.sample
         for row in range(last_row[c.request_id] - c.num_draft_tokens, last_row[c.request_id] + 1)
     ]
-    lora_rows, lora_order = _lora_rows(decodes, prefills, device)
+    lora_runs, lora_mixed, lora_owner = _lora_rows(decodes, prefills, device)
     return ForwardPlan(
         token_ids=torch.tensor(token_ids, dtype=torch.int64).to(device),
         positions=torch.from_numpy(np.concatenate(positions)).to(device),
         slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64).to(device),
         attention=AttentionPlan(decodes=tuple(decode_plans), prefills=tuple(prefill_plans)),
-        lora_rows=lora_rows,
-        lora_order=lora_order,
+        lora_runs=lora_runs,
+        lora_mixed=lora_mixed,
+        lora_owner=lora_owner,
     )
 
 
@@ -230,29 +239,38 @@ def _decode_plan(
 
 def _lora_rows(
     decodes: Sequence[SequenceChunk], prefills: Sequence[SequenceChunk], device: torch.device
-) -> tuple[tuple[tuple[str, int, int], ...], torch.Tensor | None]:
-    """Each adapter's rows, in the order `plan_forward` lays the tokens out, as
-    `LoRARows` holds them."""
+) -> tuple[tuple[tuple[str, int, int], ...], tuple[str, ...], torch.Tensor | None]:
+    """The LoRA rows as `ForwardPlan` holds them: runs, and the decodes' mixed block."""
     if not any(c.lora is not None for c in decodes) and not any(
         c.lora is not None for c in prefills
     ):
-        return (), None
-    rows: dict[str, list[int]] = {}
+        return (), (), None
+    runs: list[tuple[str, int, int]] = []
+    mixed: tuple[str, ...] = ()
+    owner = None
+    decode_rows: dict[str, list[int]] = {}
     for row, chunk in enumerate(decodes):
         if chunk.lora is not None:
-            rows.setdefault(chunk.lora, []).append(row)
+            decode_rows.setdefault(chunk.lora, []).append(row)
+    if len(decode_rows) == 1:
+        ((name, taken),) = decode_rows.items()
+        if taken[-1] + 1 - taken[0] == len(taken):  # ascending: contiguous
+            runs.append((name, taken[0], taken[-1] + 1))
+            decode_rows = {}
+    if decode_rows:
+        mixed = tuple(sorted(decode_rows))
+        owners = [-1] * len(decodes)
+        for index, name in enumerate(mixed):
+            for row in decode_rows[name]:
+                owners[row] = index
+        owner = torch.tensor(owners, dtype=torch.int64).to(device)
     row = len(decodes)
     for chunk in prefills:
         count = len(chunk.token_ids)
         if chunk.lora is not None:
-            rows.setdefault(chunk.lora, []).extend(range(row, row + count))
+            if runs and runs[-1][0] == chunk.lora and runs[-1][2] == row:
+                runs[-1] = (chunk.lora, runs[-1][1], row + count)  # the same adapter goes on
+            else:
+                runs.append((chunk.lora, row, row + count))
         row += count
-    # Ascending by construction: a run is contiguous when its span equals its length.
-    if all(taken[-1] + 1 - taken[0] == len(taken) for taken in rows.values()):
-        return tuple((name, taken[0], taken[-1] + 1) for name, taken in rows.items()), None
-    groups = []
-    order: list[int] = []
-    for name, taken in rows.items():
-        groups.append((name, len(order), len(order) + len(taken)))
-        order.extend(taken)
-    return tuple(groups), torch.tensor(order, dtype=torch.int64).to(device)
+    return tuple(runs), mixed, owner

@@ -13,8 +13,10 @@ and waking reloads the weights from the model file.
 
 With `enable_lora`, LoRA adapters (`add_lora`, `remove_lora`, `pin_lora`) are kept in a
 `LoRAStore` beside the weights, not in them: a weight update keeps them (they apply to
-the new base), and a sleep of either level keeps their host copies (`lora.adapters`). Every method runs on the engine's
-model thread; `torch.inference_mode` is entered per call because it is thread-local.
+the new base), and a sleep of either level keeps their host copies (`lora.adapters`).
+
+Every method runs on the engine's model thread; `torch.inference_mode` is entered per
+call because it is thread-local.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosed
 from wavecore.engine.executors.rpc import remote_callable
 from wavecore.engine.executors.weight_specs import check_update
 from wavecore.engine.lora.adapters import LoRAStore
-from wavecore.engine.lora.compute import LoRARows
+from wavecore.engine.lora.compute import LoRARows, MixedDecodes
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.model.batch_plan import CacheGeometry, ForwardPlan, plan_forward
 from wavecore.engine.model.config import ModelConfig
@@ -289,14 +291,14 @@ class ModelExecutor:
             plan = plan_forward(batch.chunks, geometry, self._device)
             if plan.num_tokens == 0:
                 return torch.empty(0, self.config.vocab_size)
-            if not plan.lora_rows:
+            if not plan.lora_runs and not plan.lora_mixed:
                 return model.forward(plan, cache)
             return model.forward(plan, cache, self._lora_rows(plan))
 
     def _lora_rows(self, plan: ForwardPlan) -> LoRARows:
         """The step's adapters made resident, with their rows; an adapter this executor
         does not hold refuses the batch before the forward writes anything."""
-        names = [name for name, _, _ in plan.lora_rows]
+        names = plan.lora_names
         if self._loras is None:
             raise InvalidBatchError(
                 f"the batch names LoRA adapter(s) {names}, but LoRA is not enabled"
@@ -305,9 +307,11 @@ class ModelExecutor:
             active = self._loras.activate(names)
         except (LoRAError, UnknownLoRAError) as error:
             raise InvalidBatchError(str(error)) from None
+        mixed = None
+        if plan.lora_mixed and plan.lora_owner is not None:
+            mixed = MixedDecodes(self._loras.stacked(plan.lora_mixed), plan.lora_owner)
         return LoRARows(
-            tuple((active[name], start, end) for name, start, end in plan.lora_rows),
-            plan.lora_order,
+            tuple((active[name], start, end) for name, start, end in plan.lora_runs), mixed
         )
 
     # -- LoRA adapters (on the model thread, between steps) ----------------------------
