@@ -11,7 +11,8 @@ target has no pair and costs nothing.
 `LoRAStore` keeps every adapter added in host memory and at most `max_loras` of them
 on the device ("resident": on a CPU both are the same tensors), swapping them in least
 recently used first and never evicting a pinned one; a step's adapters are made
-resident before its forward (`activate`). A sleep (either level) drops the device
+resident before its forward (`activate`). Decodes that mix adapters run them stacked
+(`StackedAdapters`, a copy kept for the last two sets while they stay resident). A sleep (either level) drops the device
 copies and keeps the host copies, so adapters come back on the first step that needs
 them after a wake-up (upstream drops them at level 2; wavecore keeps them).
 """
