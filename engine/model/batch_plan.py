@@ -4,9 +4,10 @@ Every check happens here, before the forward pass writes a single KV slot, so a 
 batch is refused whole (`InvalidBatchError`) and leaves the cache as it was.
 
 Tokens are reordered: the batch's single-token chunks (decodes) first, sorted by
-context length and cut into groups (`decode_groups`), then the prefill chunks'
-tokens. Only attention cares about the order (see `attention.py`); `sample_rows`
-maps each sampling chunk, in batch order, to the row of its last token.
+context length and cut into groups (`decode_groups`), then the prefill chunks' tokens
+(grouped by LoRA adapter when they name adapters). Only attention cares about the
+order (see `attention.py`); `sample_rows` maps each sampling chunk, in batch order, to
+the row of its last token.
 `lora_runs`, `lora_mixed` and `lora_owner` say which rows run under which LoRA adapter
 (empty in a step of the base model only).
 """
@@ -132,6 +133,10 @@ def plan_forward(
     block_size = geometry.block_size
     decodes = [c for c in chunks if len(c.token_ids) == 1]
     prefills = [c for c in chunks if len(c.token_ids) > 1]
+    if any(c.lora is not None for c in prefills):
+        # Each adapter's chunks side by side: one run per adapter (`lora_runs`), not one
+        # per chunk. Attention takes each chunk alone, so their order is free.
+        prefills.sort(key=lambda c: "" if c.lora is None else "\x00" + c.lora)
 
     token_ids: list[int] = []
     positions: list[np.ndarray] = []
