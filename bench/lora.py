@@ -1,6 +1,6 @@
 """LoRA adapters: how the deltas are computed, and what adapters cost the engine.
 
-Part 1, the delta kernel: one fused product's LoRA delta (SmolLM2-135M's qkv, 576 ->
+Part 1, the delta kernel (on the CPU with one thread): one fused product's LoRA delta (SmolLM2-135M's qkv, 576 ->
 960, every target at rank 16, so R = 48) for a step of T tokens spread over K
 adapters interleaved token by token (as decodes of several adapters are), three ways:
 wavecore's (one adapter: a slice; several: every row against the adapters stacked, its
@@ -75,7 +75,21 @@ def delta_kernels(device: torch.device, dtype: torch.dtype, quick: bool) -> list
         return (torch.randn(*shape, generator=gen) * 0.05).to(device, dtype)
 
     weight = rand(HIDDEN, QKV_OUT)
-    repeats = 5 if quick else 30
+    repeats = 5 if quick else 50
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        # One thread: on a shared 2-vCPU machine every op of two threads waits for both
+        # cores (1.5 ms floors under load); one thread compares the methods' own work.
+        torch.set_num_threads(1)
+    try:
+        return _delta_cases(rand, weight, repeats, device, dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _delta_cases(
+    rand: Any, weight: torch.Tensor, repeats: int, device: torch.device, dtype: torch.dtype
+) -> list[dict[str, Any]]:
     with torch.inference_mode():
         _timed(lambda: rand(512, HIDDEN) @ weight, 10, device)  # thread pools up
         _delta_case(rand, weight, 1, 1, repeats, device, dtype)  # the first case, discarded
@@ -235,7 +249,10 @@ def main() -> None:
     if torch.cuda.is_available():
         kernels += delta_kernels(torch.device("cuda"), torch.bfloat16, args.quick)
     result["delta_kernels"] = kernels
-    print(f"LoRA delta of one qkv product, R={R} ({machine['cpu']}, {machine['cpus']} CPUs)")
+    print(
+        f"LoRA delta of one qkv product, R={R}, one CPU thread ({machine['cpu']}, "
+        f"{machine['cpus']} CPUs)"
+    )
     print(f"{'device':<6} {'tokens':>6} {'adapters':>8} {'base ms':>8} {'wavecore ms':>11} "
           f"{'sorted-gather ms':>16} {'gather-bmm ms':>13}")  # fmt: skip
     for row in kernels:
