@@ -32,9 +32,10 @@ PROMPT = "A prompt for every rank, two blocks long: 0123456789abcdef"
 TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
+@pytest.fixture(scope="module", params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Both backends, each with its own engine."""
+    return request.param
 
 
 @pytest.fixture(scope="module")

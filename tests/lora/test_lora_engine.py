@@ -96,9 +96,10 @@ def config_for(files: dict[str, Path], **settings: object) -> EngineConfig:
     )
 
 
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
+@pytest.fixture(scope="module", params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Both backends, each with its own module-scoped engines."""
+    return request.param
 
 
 @pytest.fixture(scope="module")
