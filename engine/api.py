@@ -46,7 +46,9 @@ async def open_engine(
         async with open_dp_engine(config) as engine:
             yield engine
         return
-    async with open_engine_core(functools.partial(EngineCore.from_config, config)) as engine:
+    async with open_engine_core(
+        functools.partial(EngineCore.from_config, config), config=config
+    ) as engine:
         yield engine
 
 
@@ -71,10 +73,17 @@ async def _bare_errors() -> AsyncIterator[None]:
 
 
 @asynccontextmanager
-async def open_engine_core(build_core: Callable[[], EngineCore]) -> AsyncIterator[Engine]:
+async def open_engine_core(
+    build_core: Callable[[], EngineCore], *, config: EngineConfig | None = None
+) -> AsyncIterator[Engine]:
     """One rank in this process serving the `EngineCore` that `build_core()` returns
-    (called on the model thread), for embedding a core with an executor of one's own."""
-    async with _bare_errors(), open_in_process(build_core) as core, serving(core) as engine:
+    (called on the model thread), for embedding a core with an executor of one's own;
+    `config` gives the front end its LoRA settings (default: LoRA off)."""
+    async with (
+        _bare_errors(),
+        open_in_process(build_core) as core,
+        serving(core, config) as engine,
+    ):
         yield engine
 
 
@@ -105,6 +114,6 @@ async def open_dp_engine(
             local_ranks=local_ranks,
             on_listening=on_listening,
         ) as core,
-        serving(core) as engine,
+        serving(core, config) as engine,
     ):
         yield engine

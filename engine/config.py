@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.scheduler.speculative import SpeculativeConfig
 
 ExecutorKind = Literal["model", "null"]
@@ -101,6 +102,12 @@ class EngineConfig:
     Drafts are added only while a step holds at most `speculative_token_budget` tokens.
     With the batch queue, a request whose drafts are being verified sits out the step
     scheduled meanwhile (`engine/core/batch_queue.py`, rule 7).
+
+    `enable_lora=True` lets requests run under LoRA adapters (`Engine.add_lora`, PEFT's
+    format, upstream's names): at most `max_loras` distinct adapters among a rank's
+    running requests (each holds a device slot; more are kept in host memory and
+    swapped in, least recently used first), each of rank at most `max_lora_rank`.
+    `lora_modules` are loaded on every rank when the engine opens.
     """
 
     model: str | None = None
@@ -138,6 +145,10 @@ class EngineConfig:
     channel_key_file: str | None = None
     dp_backend: DPBackend = "mp"
     ray_address: str | None = None
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    lora_modules: tuple[LoRARequest, ...] = ()
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -263,6 +274,8 @@ class EngineConfig:
             "prefill_interval",
             "dp_size",
             "sync_interval",
+            "max_loras",
+            "max_lora_rank",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -275,6 +288,21 @@ class EngineConfig:
                 )
             if self.dp_size > bound:
                 raise ValueError(f"EngineConfig.dp_size {self.dp_size} exceeds max_dp_size {bound}")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"EngineConfig.enable_lora must be a bool, got {self.enable_lora!r}")
+        if isinstance(self.lora_modules, list):
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        if not isinstance(self.lora_modules, tuple) or not all(
+            isinstance(module, LoRARequest) for module in self.lora_modules
+        ):
+            raise ValueError(
+                f"EngineConfig.lora_modules must be a tuple of LoRARequest, got {self.lora_modules!r}"
+            )
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("EngineConfig.lora_modules needs enable_lora=True")
+        names = [module.name for module in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"EngineConfig.lora_modules names an adapter twice: {names}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 1
         ):

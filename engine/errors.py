@@ -89,3 +89,15 @@ class ProfilerStateError(EngineError):
 class CollectiveRpcError(EngineError):
     """`collective_rpc` failed: an unregistered method, bad arguments, or a rank that
     raised or did not answer in time; the message names the rank."""
+
+
+class LoRAError(EngineError, ValueError):
+    """A LoRA adapter was refused (a missing, truncated or `.bin` file, a bad
+    `adapter_config.json`, an unknown target module, a rank above `max_lora_rank`, a
+    tensor that does not fit the base model, a rank that could not load it), or an
+    adapter call cannot be done now (adapters off, every slot pinned); the message
+    names the adapter, the file or tensor, and the rank. Nothing else changed."""
+
+
+class UnknownLoRAError(InvalidRequestError):
+    """A request or a call named an adapter the engine does not hold."""

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.outputs import CompletionDelta
 from wavecore.engine.request import Prompt
 from wavecore.engine.sampling_params import SamplingParams
@@ -55,6 +56,8 @@ class CoreStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: tuple[int, ...] = ()
+    # Running requests per LoRA adapter (the base model's not counted).
+    lora_running: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,13 +177,34 @@ class Engine(Protocol):
         *,
         request_id: str | None = None,
         dp_rank: int | None = None,
+        lora: str | LoRARequest | None = None,
     ) -> AsyncIterator[CompletionDelta]:
         """Stream one request's output. `prompt` is text, chat messages or token ids;
-        `dp_rank` pins the request to a rank. Leaving the loop early aborts it."""
+        `dp_rank` pins the request to a rank; `lora` runs it under a LoRA adapter, by
+        name (`UnknownLoRAError` at once if none is loaded) or as a `LoRARequest` (loaded
+        on every rank first if its name is new). Leaving the loop early aborts it."""
         ...
 
     async def abort(self, request_id: str) -> None:
         """Finish a request as aborted; its stream ends with finish reason "abort"."""
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        """Load a LoRA adapter (PEFT's format) on every rank, all or nothing: a rank
+        that refuses it (`LoRAError`, naming the rank, the file and why) leaves no rank
+        holding it. Ranks started later (scale, restart) load it before they serve.
+        Needs `enable_lora`; the same name and path again is a no-op."""
+
+    async def remove_lora(self, name: str) -> None:
+        """Drop an adapter from every rank; refused while requests under it are in
+        flight (`LoRAError`), or for an unknown name (`UnknownLoRAError`)."""
+
+    async def pin_lora(self, name: str) -> None:
+        """Keep an adapter resident in a device slot on every rank (never swapped out
+        for another); at most `max_loras` pinned."""
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The adapters every rank holds, by name."""
+        ...
 
     async def pause(
         self, mode: PauseMode | PauseModeName = PauseMode.KEEP, *, clear_cache: bool = True

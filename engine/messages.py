@@ -116,6 +116,8 @@ class AddRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     wave: int
+    # The LoRA adapter it runs under (None: the base model); every rank holds it.
+    lora: str | None = None
 
 
 @_message(30611)

@@ -31,3 +31,5 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    # The LoRA adapter it runs under (None: the base model).
+    lora: str | None = None

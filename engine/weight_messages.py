@@ -1,4 +1,5 @@
-"""Messages of weight updates, collective RPC and the profiler (tags 30650-30659).
+"""Messages of weight updates, LoRA adapters, collective RPC and the profiler (tags
+30650-30659).
 
 These calls are answered by a rank outside its protocol machine (`core.rank_calls`):
 they change what the model computes, never what the protocol does. Each call gets one
@@ -98,4 +99,19 @@ class ProfileCall:
     directory: str | None = None
 
 
-RANK_CALLS = (WeightChunk, WeightsCall, RpcCall, ProfileCall)
+LORA_ADD, LORA_REMOVE, LORA_PIN = "add", "remove", "pin"
+
+
+@_message(30655)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoRACall:
+    """`action` LORA_ADD: read and keep the adapter `name` from the directory `path`;
+    LORA_REMOVE: drop it; LORA_PIN: keep it resident from now on."""
+
+    call_id: int
+    action: str
+    name: str
+    path: str | None = None
+
+
+RANK_CALLS = (WeightChunk, WeightsCall, RpcCall, ProfileCall, LoRACall)

@@ -29,6 +29,7 @@ from wavecore.engine.cli.results import ResultLog, open_output, print_error
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.errors import EngineDeadError, InvalidRequestError
 from wavecore.engine.interface import Engine
+from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.serve.command import add_serve_parser, cmd_serve
 
 EXIT_FAILED = 1
@@ -66,6 +67,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             restart_ranks=getattr(args, "restart_ranks", False),
             channel_key_file=args.channel_key_file,
             log_iteration_details=args.log_iteration_details,
+            enable_lora=args.enable_lora or bool(getattr(args, "lora_modules", None)),
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            lora_modules=tuple(getattr(args, "lora_modules", None) or ()),
             dp_backend=backend,
             ray_address=getattr(args, "ray_address", None),
             # Ranks started elsewhere (by hand, or by Ray) connect over tcp; the
@@ -78,7 +83,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 async def _run_job(engine: Engine, job: PromptJob, on_text: Callable[[str], None]) -> None:
     job.timer = RequestTimer()
-    async for delta in engine.generate(job.prompt, job.params):
+    async for delta in engine.generate(job.prompt, job.params, lora=job.lora):
         job.timer.tokens_arrived(len(delta.token_ids))
         job.text += delta.text
         job.token_ids += delta.token_ids
@@ -348,6 +353,8 @@ def cmd_generate(args: argparse.Namespace, out: Console, err: Console) -> int:
                 return 1
         if not inputs.jobs:
             return 1
+        for job in inputs.jobs:
+            job.lora = args.lora
         try:
             outcome = anyio.run(
                 run_generate, args, config, out, err, inputs.jobs, log, backend=args.backend
@@ -407,6 +414,16 @@ def _memory(text: str) -> int | float:
     return value if 0 < value <= 1 else int(value)
 
 
+def _lora_module(text: str) -> LoRARequest:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    try:
+        return LoRARequest(name, path)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _add_rank_behaviour_flags(group: argparse._ActionsContainer) -> None:
     """Flags every rank of a group must share (a headless rank takes them too)."""
     group.add_argument(
@@ -451,6 +468,21 @@ def _add_rank_behaviour_flags(group: argparse._ActionsContainer) -> None:
         "this long exits (code 3)",
     )
     group.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (PEFT's format) beside the base model",
+    )
+    group.add_argument(
+        "--max-loras",
+        type=int,
+        default=4,
+        metavar="N",
+        help="at most N distinct adapters among a rank's running requests (device slots)",
+    )
+    group.add_argument(
+        "--max-lora-rank", type=int, default=64, metavar="R", help="the largest adapter rank"
+    )
+    group.add_argument(
         "--log-iteration-details",
         action="store_true",
         help="record every forward of every rank (requests, tokens, time, dummy): "
@@ -489,6 +521,13 @@ def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGro
         type=_memory,
         default=512 * 2**20,
         help="bytes, or a fraction in (0, 1]",
+    )
+    engine.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        metavar="NAME=PATH",
+        help="LoRA adapters to load on every rank at start (implies --enable-lora)",
     )
     engine.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     engine.add_argument("--dp", type=int, default=1, help="data-parallel ranks (processes)")
@@ -543,6 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
         "running the others",
     )
     engine = _add_engine_flags(gen)
+    engine.add_argument(
+        "--lora", metavar="NAME", help="run every prompt under this adapter of --lora-modules"
+    )
     engine.add_argument(
         "--scale-at",
         type=_scale_at,

@@ -47,6 +47,8 @@ class PromptJob:
     prompt_tokens: int = 0
     timer: RequestTimer | None = None
     finished: bool = False
+    # The LoRA adapter it runs under (`--lora`), None for the base model.
+    lora: str | None = None
 
     def result(self) -> dict[str, Any]:
         return {

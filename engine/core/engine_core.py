@@ -69,6 +69,7 @@ class EngineCore:
                 eos_token_id=eos_token_id,
                 async_scheduling=config.async_scheduling,
                 speculative=config.speculative,
+                max_loras=config.max_loras if config.enable_lora else None,
             )
         )
         # Whether the rank runs its steps through the batch queue (`core.batch_queue`).
@@ -97,6 +98,9 @@ class EngineCore:
             block_size=config.block_size,
             max_model_len=config.max_model_len,
             seed=config.seed,
+            enable_lora=config.enable_lora,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
         )
         source = executor.source
         tokenizer = Tokenizer.from_source(source)
@@ -159,7 +163,11 @@ class EngineCore:
         grammar = None if spec is None else self.grammars.start(spec)
         try:
             self.scheduler.add(
-                request.request_id, request.prompt_token_ids, request.params, grammar
+                request.request_id,
+                request.prompt_token_ids,
+                request.params,
+                grammar,
+                request.lora,
             )
         except scheduler_errors.DuplicateRequestError as error:
             raise DuplicateRequestError(str(error)) from None
@@ -337,6 +345,7 @@ class EngineCore:
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_accepted_per_position=tuple(spec.accepted_per_position),
+            lora_running=self.scheduler.running_per_lora(),
         )
 
     def close(self) -> None:

@@ -21,6 +21,10 @@ Theory of operation:
    refused while the weights sleep.
 6. The profiler (`core.rank_profiler`) starts and stops on the model thread; a start
    while it runs, or a stop while it does not, is refused.
+7. LoRA calls add, remove or pin an adapter on the executor (reading and checking the
+   adapter's files on the model thread) and tell the scheduler which adapters are
+   pinned (they hold device slots). A refusal (`LoRAError`, naming the file or tensor)
+   changes nothing; the front end then removes the adapter from the ranks that took it.
 """
 
 from __future__ import annotations
@@ -34,14 +38,19 @@ from wavecore.engine.core.rank_profiler import RankProfiler
 from wavecore.engine.errors import EngineError, ProfilerStateError, WeightUpdateRefusedError
 from wavecore.engine.executors.rpc import remote_method
 from wavecore.engine.executors.rpc_values import decode_values, encode_values
+from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.weight_chunks import ChunkAssembler, assemble
 from wavecore.engine.weight_messages import (
     COMMIT,
     DISCARD,
+    LORA_ADD,
+    LORA_PIN,
+    LORA_REMOVE,
     PROFILE_START,
     SAVE,
     SET_VERSION,
     STAGE,
+    LoRACall,
     ProfileCall,
     RankReply,
     RpcCall,
@@ -73,7 +82,7 @@ class RankCalls:
         self._staged: tuple[int, object] | None = None
 
     async def handle(
-        self, item: WeightChunk | WeightsCall | RpcCall | ProfileCall
+        self, item: WeightChunk | WeightsCall | RpcCall | ProfileCall | LoRACall
     ) -> RankReply | None:
         """Perform one call; the reply to send, None for chunks and discards."""
         if isinstance(item, WeightChunk):
@@ -83,6 +92,8 @@ class RankCalls:
             return await self._rpc(item)
         if isinstance(item, ProfileCall):
             return await self._profile(item)
+        if isinstance(item, LoRACall):
+            return await self._lora(item)
         if item.action == STAGE:
             return await self._stage(item)
         if item.action == COMMIT:
@@ -188,6 +199,36 @@ class RankCalls:
         except Exception as error:  # e.g. an unwritable directory: say what
             return self._reply(call.call_id, error=f"{type(error).__name__}: {error}")
         return self._reply(call.call_id, result=encode_values(trace, "the trace's path"))
+
+    # -- LoRA adapters -----------------------------------------------------------------
+
+    async def _lora(self, call: LoRACall) -> RankReply:
+        executor = self._core.executor
+        if not getattr(executor, "lora_enabled", False):
+            return self._reply(
+                call.call_id,
+                error=f"{type(executor).__name__} serves no LoRA adapters "
+                "(start the engine with enable_lora=True and a model)",
+                refused=True,
+            )
+        name, path = call.name, call.path
+        actions: dict[str, Callable[[], None]] = {
+            LORA_ADD: lambda: executor.add_lora(LoRARequest(name, path or "")),  # type: ignore[attr-defined]
+            LORA_REMOVE: lambda: executor.remove_lora(name),  # type: ignore[attr-defined]
+            LORA_PIN: lambda: executor.pin_lora(name),  # type: ignore[attr-defined]
+        }
+        action = actions.get(call.action)
+        if action is None:
+            return self._reply(call.call_id, error=f"unknown LoRA action {call.action!r}")
+        try:
+            await self._thread.run(action)
+        except (EngineError, ValueError) as error:
+            return self._reply(call.call_id, error=str(error))
+        except Exception as error:  # e.g. out of memory: nothing changed, say what
+            return self._reply(call.call_id, error=f"{type(error).__name__}: {error}")
+        finally:
+            self._core.scheduler.set_pinned_loras(executor.pinned_loras)  # type: ignore[attr-defined]
+        return self._reply(call.call_id)
 
     # -- collective RPC ----------------------------------------------------------------
 

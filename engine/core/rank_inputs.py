@@ -36,7 +36,10 @@ def loop_input_of(item: Any) -> object | None:
     """The `RankLoop` input for one message, or None for a message no rank takes."""
     if isinstance(item, m.AddRequest):
         request = EngineRequest(
-            request_id=item.request_id, prompt_token_ids=item.prompt_token_ids, params=item.params
+            request_id=item.request_id,
+            prompt_token_ids=item.prompt_token_ids,
+            params=item.params,
+            lora=item.lora,
         )
         return NewRequest(request_id=item.request_id, wave=item.wave, payload=request)
     if isinstance(item, m.AbortRequests):

@@ -80,7 +80,8 @@ BuildCore = Callable[[EngineConfig], EngineCore]
 
 # How a rank was reached and who started it, how long it may take to start, how far the
 # client may scale, whether it restarts lost ranks and where each machine keeps the
-# channel key change nothing a rank computes.
+# channel key change nothing a rank computes; `lora_modules` are the front end's to load
+# (`Engine.add_lora` on every rank).
 _DEPLOYMENT_FIELDS = frozenset(
     {
         "transport",
@@ -90,6 +91,7 @@ _DEPLOYMENT_FIELDS = frozenset(
         "dp_backend",
         "ray_address",
         "channel_key_file",
+        "lora_modules",
     }
 )
 

@@ -358,6 +358,7 @@ class Scaler:
         bound = 2 * self._config.collective_timeout  # `scale_calls` says why
         if isinstance(action, StartRanks):
             await self._start_ranks(action.ranks, action.dp_size)
+            await host.prepare_ranks(action.ranks)
             return RanksReady()
         if isinstance(action, DrainRanks):
             await self._drain(host, action.ranks, drain_timeout)

@@ -35,6 +35,9 @@ class SequenceChunk:
     `token_ids` (not in `all_token_ids`): it samples at each of its last
     `1 + num_draft_tokens` positions, each as plain decoding would with the drafts
     before it as history (`sampling_rows`).
+
+    `lora` names the LoRA adapter the request runs under (None: the base model); the
+    executor holds the adapter (`Executor` implementations without adapters refuse it).
     """
 
     request_id: str
@@ -46,6 +49,7 @@ class SequenceChunk:
     all_token_ids: Sequence[int]
     prompt_len: int
     num_draft_tokens: int = 0
+    lora: str | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -104,6 +104,10 @@ class ScaleHost(Protocol):
 
     async def abort_on(self, requests: dict[str, int]) -> None: ...
 
+    async def prepare_ranks(self, ranks: Collection[int]) -> None:
+        """New ranks, started and not serving yet: give them what every rank serves
+        beyond the model file (the LoRA adapters); an error fails the scale."""
+
     async def call_ranks(self, ranks: Collection[int], message: Callable[[int], Any]) -> None:
         """Send these ranks the call ``message(call_id)`` and wait for every answer; the
         error names the ranks that refused."""

@@ -25,6 +25,7 @@ Theory of operation:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections import Counter, deque
@@ -36,6 +37,7 @@ from typing import Any
 import anyio
 
 from wavecore.engine import messages as m
+from wavecore.engine.config import EngineConfig
 from wavecore.engine.errors import (
     DuplicateRequestError,
     EngineAsleepError,
@@ -63,6 +65,7 @@ from wavecore.engine.frontend.core_client import CoreClient
 from wavecore.engine.frontend.input_processor import InputProcessor
 from wavecore.engine.frontend.iteration_stats import IterationStats
 from wavecore.engine.frontend.load_balancer import LoadBalancer
+from wavecore.engine.frontend.lora_calls import LoRACalls
 from wavecore.engine.frontend.request_stream import RequestStream
 from wavecore.engine.frontend.weight_calls import WeightCalls
 from wavecore.engine.interface import (
@@ -71,6 +74,7 @@ from wavecore.engine.interface import (
     PauseModeName,
     RankStats,
 )
+from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.outputs import CompletionDelta
 from wavecore.engine.request import Prompt
 from wavecore.engine.sampling_params import SamplingParams
@@ -131,7 +135,7 @@ def wake_tags(tags: Sequence[str] | None) -> frozenset[str]:
 class FrontEnd:
     """Use through `open_engine`; every method is safe to call from any task."""
 
-    def __init__(self, core: CoreClient) -> None:
+    def __init__(self, core: CoreClient, config: EngineConfig | None = None) -> None:
         self._core = core
         self._inputs = InputProcessor(core.tokenizer, max_model_len=core.max_model_len)
         self._tokenizer = core.tokenizer
@@ -179,6 +183,11 @@ class FrontEnd:
             max_chunk_bytes=core.max_chunk_bytes,
             check_open=self._check_open,
         )
+        self._loras = LoRACalls(
+            self._weights,
+            enabled=config is not None and config.enable_lora,
+            max_loras=config.max_loras if config is not None else 1,
+        )
 
     @property
     def dp_size(self) -> int:
@@ -202,9 +211,16 @@ class FrontEnd:
         *,
         request_id: str | None = None,
         dp_rank: int | None = None,
+        lora: str | LoRARequest | None = None,
     ) -> AsyncIterator[CompletionDelta]:
         """Stream one request's output; see `interface.Engine.generate`."""
         self._check_open()
+        if isinstance(lora, LoRARequest):
+            if lora.name not in self._loras.adapters:
+                await self.add_lora(lora)  # loaded on first use, as upstream does
+            elif self._loras.adapters[lora.name].path != lora.path:
+                await self.add_lora(lora)  # refused: another adapter holds the name
+            lora = lora.name
         params = params if params is not None else SamplingParams()
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             # Before the checks below: nothing waits between them and the send.
@@ -223,6 +239,12 @@ class FrontEnd:
         ):
             raise InvalidRequestError(f"dp_rank must be an int in [0, {routable}), got {dp_rank!r}")
         request = self._inputs.prepare(request_id, prompt, params)
+        if lora is not None:
+            # Checked and counted with no await before the send: a remove_lora cannot
+            # come between.
+            self._loras.check_request(lora)  # type: ignore[arg-type]
+            request = dataclasses.replace(request, lora=lora)
+            self._loras.in_flight[lora] += 1  # type: ignore[index]
         if dp_rank is None:
             rank = self._balancer.pick()
         else:
@@ -241,6 +263,7 @@ class FrontEnd:
                     prompt_token_ids=request.prompt_token_ids,
                     params=params,
                     wave=wave,
+                    lora=request.lora,
                 ),
             )
             if self._core.lockstep and not self._engines_running:
@@ -376,6 +399,31 @@ class FrontEnd:
             structured_requests=dict(self._structured_requests),
             iterations=self._iterations.snapshot(),
         )
+
+    # -- LoRA adapters (`LoRACalls`) ------------------------------------------------------
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        self._check_open()
+        self._check_not_scaling("add_lora")
+        await self._loras.add(range(self._dp_size), request)
+
+    async def remove_lora(self, name: str) -> None:
+        self._check_open()
+        self._check_not_scaling("remove_lora")
+        await self._loras.remove(range(self._dp_size), name)
+
+    async def pin_lora(self, name: str) -> None:
+        self._check_open()
+        self._check_not_scaling("pin_lora")
+        await self._loras.pin(range(self._dp_size), name)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        self._check_open()
+        return [self._loras.adapters[name] for name in self._loras.names()]
+
+    def lora_names(self) -> list[str]:
+        """The adapters loaded, without a call (for the server's `model` field)."""
+        return self._loras.names()
 
     # -- weights ---------------------------------------------------------------------
 
@@ -548,6 +596,9 @@ class FrontEnd:
         for request_id, rank in requests.items():
             await self._send(rank, m.AbortRequests(request_ids=(request_id,)))
 
+    async def prepare_ranks(self, ranks: Collection[int]) -> None:
+        await self._loras.load_on(sorted(ranks))
+
     async def call_ranks(self, ranks: Collection[int], message: Callable[[int], Any]) -> None:
         call = await self._start_call(ranks, message)
         await self._finish_call(call)
@@ -622,6 +673,7 @@ class FrontEnd:
                 prompt_token_ids=request.prompt_token_ids,
                 params=request.params,
                 wave=self._wave,
+                lora=request.lora,
             )
             await self._send(rank, message)
 
@@ -777,6 +829,7 @@ class FrontEnd:
 
     def _finished(self, request_id: str) -> None:
         stream = self._streams.pop(request_id)
+        self._lora_done(stream)
         self._resent_as.pop(stream.request_id, None)
         self._held.pop(request_id, None)
         self._count_finished(self._owner.pop(request_id))
@@ -790,13 +843,20 @@ class FrontEnd:
     def _forget(self, request_id: str) -> None:
         """The consumer left early: abort the request on its rank."""
         request_id = self._resent_as.pop(request_id, request_id)
-        self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._lora_done(stream)
         self._held.pop(request_id, None)
         rank = self._owner.pop(request_id, None)
         if rank is not None:
             self._count_finished(rank)
             if self._dead is None and not self._closed:
                 self._post(rank, m.AbortRequests(request_ids=(request_id,)))
+
+    def _lora_done(self, stream: RequestStream) -> None:
+        name = stream.request.lora
+        if name is not None:
+            self._loras.in_flight[name] -= 1
 
     def _check_open(self) -> None:
         if self._dead is not None:
@@ -815,6 +875,7 @@ class FrontEnd:
         for stream in self._streams.values():
             stream.fail(error)
         self._streams.clear()
+        self._loras.in_flight.clear()
         self._owner.clear()
         self._resent_as.clear()
         for call in self._calls.values():
@@ -863,9 +924,10 @@ def _request_update(
 
 
 @asynccontextmanager
-async def serving(core: CoreClient) -> AsyncIterator[FrontEnd]:
-    """The front end over `core`, its tasks running for the block's lifetime."""
-    front = FrontEnd(core)
+async def serving(core: CoreClient, config: EngineConfig | None = None) -> AsyncIterator[FrontEnd]:
+    """The front end over `core`, its tasks running for the block's lifetime; with
+    `config`, its LoRA settings, and its `lora_modules` loaded on every rank first."""
+    front = FrontEnd(core, config)
     core.on_death(front.die)
     core.attach(front)
     async with anyio.create_task_group() as tg:
@@ -873,6 +935,8 @@ async def serving(core: CoreClient) -> AsyncIterator[FrontEnd]:
         tg.start_soon(front.receive_state)
         tg.start_soon(front.send_outbox)
         try:
+            for module in config.lora_modules if config is not None else ():
+                await front.add_lora(module)
             yield front
         finally:
             front.close()

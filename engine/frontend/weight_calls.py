@@ -235,6 +235,14 @@ class WeightCalls:
         _raise_errors(replies, CollectiveRpcError, f"collective_rpc {method!r}")
         return [_result(method, replies[rank]) for rank in ranks]
 
+    def next_call_id(self) -> int:
+        return next(self._call_ids)
+
+    async def call(self, ranks: Sequence[int], message: Any) -> dict[int, RankReply]:
+        """Send `message` (a rank call under its own `call_id`) to `ranks`; each rank's
+        reply. For the calls of other modules that ranks answer with a `RankReply`."""
+        return await self._call(ranks, message, call_id=message.call_id)
+
     async def _call(
         self,
         ranks: Sequence[int],

@@ -4,9 +4,12 @@ Every check happens here, before the forward pass writes a single KV slot, so a 
 batch is refused whole (`InvalidBatchError`) and leaves the cache as it was.
 
 Tokens are reordered: the batch's single-token chunks (decodes) first, sorted by
-context length and cut into groups (`decode_groups`), then the prefill chunks'
-tokens. Only attention cares about the order (see `attention.py`); `sample_rows`
-maps each sampling chunk, in batch order, to the row of its last token.
+context length and cut into groups (`decode_groups`), then the prefill chunks' tokens
+(grouped by LoRA adapter when they name adapters). Only attention cares about the
+order (see `attention.py`); `sample_rows` maps each sampling chunk, in batch order, to
+the row of its last token.
+`lora_runs`, `lora_mixed` and `lora_owner` say which rows run under which LoRA adapter
+(empty in a step of the base model only).
 """
 
 from __future__ import annotations
@@ -29,6 +32,18 @@ class ForwardPlan:
     slot_mapping: torch.Tensor  # [tokens] int64, flat KV slot each token is written to
     sample_rows: torch.Tensor  # [sampling chunks] int64
     attention: AttentionPlan
+    # LoRA adapters: contiguous runs of rows `(name, start, end)` (prefill chunks, or the
+    # decodes when they are all of one adapter), and the decodes' adapters when they
+    # mix (decodes are ordered by context length): `lora_mixed`, with `lora_owner`
+    # giving each decode row's index among them (-1: the base model).
+    lora_runs: tuple[tuple[str, int, int], ...] = ()
+    lora_mixed: tuple[str, ...] = ()
+    lora_owner: torch.Tensor | None = None
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """Every adapter the step names, once each."""
+        return tuple(dict.fromkeys([*self.lora_mixed, *(run[0] for run in self.lora_runs)]))
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +133,10 @@ def plan_forward(
     block_size = geometry.block_size
     decodes = [c for c in chunks if len(c.token_ids) == 1]
     prefills = [c for c in chunks if len(c.token_ids) > 1]
+    if any(c.lora is not None for c in prefills):
+        # Each adapter's chunks side by side: one run per adapter (`lora_runs`), not one
+        # per chunk. Attention takes each chunk alone, so their order is free.
+        prefills.sort(key=lambda c: "" if c.lora is None else "\x00" + c.lora)
 
     token_ids: list[int] = []
     positions: list[np.ndarray] = []
@@ -181,12 +200,16 @@ def plan_forward(
         if c.sample
         for row in range(last_row[c.request_id] - c.num_draft_tokens, last_row[c.request_id] + 1)
     ]
+    lora_runs, lora_mixed, lora_owner = _lora_rows(decodes, prefills, device)
     return ForwardPlan(
         token_ids=torch.tensor(token_ids, dtype=torch.int64).to(device),
         positions=torch.from_numpy(np.concatenate(positions)).to(device),
         slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64).to(device),
         attention=AttentionPlan(decodes=tuple(decode_plans), prefills=tuple(prefill_plans)),
+        lora_runs=lora_runs,
+        lora_mixed=lora_mixed,
+        lora_owner=lora_owner,
     )
 
 
@@ -217,3 +240,42 @@ def _decode_plan(
         context_len=context,
         mask=mask,
     )
+
+
+def _lora_rows(
+    decodes: Sequence[SequenceChunk], prefills: Sequence[SequenceChunk], device: torch.device
+) -> tuple[tuple[tuple[str, int, int], ...], tuple[str, ...], torch.Tensor | None]:
+    """The LoRA rows as `ForwardPlan` holds them: runs, and the decodes' mixed block."""
+    if not any(c.lora is not None for c in decodes) and not any(
+        c.lora is not None for c in prefills
+    ):
+        return (), (), None
+    runs: list[tuple[str, int, int]] = []
+    mixed: tuple[str, ...] = ()
+    owner = None
+    decode_rows: dict[str, list[int]] = {}
+    for row, chunk in enumerate(decodes):
+        if chunk.lora is not None:
+            decode_rows.setdefault(chunk.lora, []).append(row)
+    if len(decode_rows) == 1:
+        ((name, taken),) = decode_rows.items()
+        if taken[-1] + 1 - taken[0] == len(taken):  # ascending: contiguous
+            runs.append((name, taken[0], taken[-1] + 1))
+            decode_rows = {}
+    if decode_rows:
+        mixed = tuple(sorted(decode_rows))
+        owners = [-1] * len(decodes)
+        for index, name in enumerate(mixed):
+            for row in decode_rows[name]:
+                owners[row] = index
+        owner = torch.tensor(owners, dtype=torch.int64).to(device)
+    row = len(decodes)
+    for chunk in prefills:
+        count = len(chunk.token_ids)
+        if chunk.lora is not None:
+            if runs and runs[-1][0] == chunk.lora and runs[-1][2] == row:
+                runs[-1] = (chunk.lora, runs[-1][1], row + count)  # the same adapter goes on
+            else:
+                runs.append((chunk.lora, row, row + count))
+        row += count
+    return tuple(runs), mixed, owner

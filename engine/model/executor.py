@@ -9,8 +9,14 @@ paged KV cache from a memory budget and precomputes the rotary table. Each
 chunks, and hands the sampling rows' logits to the `Sampler`.
 
 Sleep levels: 1 moves the weights to CPU memory and frees the KV cache; 2 frees both,
-and waking reloads the weights from the model file. Every method runs on the engine's
-model thread; `torch.inference_mode` is entered per call because it is thread-local.
+and waking reloads the weights from the model file.
+
+With `enable_lora`, LoRA adapters (`add_lora`, `remove_lora`, `pin_lora`) are kept in a
+`LoRAStore` beside the weights, not in them: a weight update keeps them (they apply to
+the new base), and a sleep of either level keeps their host copies (`lora.adapters`).
+
+Every method runs on the engine's model thread; `torch.inference_mode` is entered per
+call because it is thread-local.
 """
 
 from __future__ import annotations
@@ -19,11 +25,16 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
-from wavecore.engine.errors import WeightUpdateError, WeightUpdateRefusedError
+from wavecore.engine.errors import (
+    LoRAError,
+    UnknownLoRAError,
+    WeightUpdateError,
+    WeightUpdateRefusedError,
+)
 from wavecore.engine.executors.batch import (
     EXECUTOR_TAGS,
     ExecutorMemory,
@@ -37,8 +48,12 @@ from wavecore.engine.executors.batch import (
 from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosedError
 from wavecore.engine.executors.rpc import remote_callable
 from wavecore.engine.executors.weight_specs import check_update
-from wavecore.engine.model.batch_plan import CacheGeometry, plan_forward
+from wavecore.engine.lora.adapters import LoRAStore
+from wavecore.engine.lora.compute import LoRARows, MixedDecodes
+from wavecore.engine.lora.request import LoRARequest
+from wavecore.engine.model.batch_plan import CacheGeometry, ForwardPlan, plan_forward
 from wavecore.engine.model.config import ModelConfig
+from wavecore.engine.model.errors import InvalidBatchError
 from wavecore.engine.model.kernel_choice import KernelChoice, choose_kernels
 from wavecore.engine.model.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
 from wavecore.engine.model.llama import LlamaModel
@@ -116,6 +131,9 @@ class ModelExecutor:
         seed: int = 0,
         weights: WeightFormat = "auto",
         dtype: DTypeSpec = "auto",
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 64,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -174,6 +192,17 @@ class ModelExecutor:
 
             sampler = Sampler(source.eos_token_id, seed=seed)
         self._sampler = sampler
+        self._loras = (
+            LoRAStore(
+                config,
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                device=self._device,
+                dtype=self._dtype,
+            )
+            if enable_lora
+            else None
+        )
         self._closed = False
 
     # -- what the engine reads --------------------------------------------------------
@@ -262,7 +291,65 @@ class ModelExecutor:
             plan = plan_forward(batch.chunks, geometry, self._device)
             if plan.num_tokens == 0:
                 return torch.empty(0, self.config.vocab_size)
-            return model.forward(plan, cache)
+            if not plan.lora_runs and not plan.lora_mixed:
+                return model.forward(plan, cache)
+            return model.forward(plan, cache, self._lora_rows(plan))
+
+    def _lora_rows(self, plan: ForwardPlan) -> LoRARows:
+        """The step's adapters made resident, with their rows; an adapter this executor
+        does not hold refuses the batch before the forward writes anything."""
+        names = plan.lora_names
+        if self._loras is None:
+            raise InvalidBatchError(
+                f"the batch names LoRA adapter(s) {names}, but LoRA is not enabled"
+            )
+        try:
+            active = self._loras.activate(names)
+        except (LoRAError, UnknownLoRAError) as error:
+            raise InvalidBatchError(str(error)) from None
+        mixed = None
+        if plan.lora_mixed and plan.lora_owner is not None:
+            mixed = MixedDecodes(self._loras.stacked(plan.lora_mixed), plan.lora_owner)
+        return LoRARows(
+            tuple((active[name], start, end) for name, start, end in plan.lora_runs), mixed
+        )
+
+    # -- LoRA adapters (on the model thread, between steps) ----------------------------
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self._loras is not None
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Read, check and keep the adapter (`LoRAError` naming what is wrong)."""
+        self._lora_store().add(request)
+
+    def remove_lora(self, name: str) -> None:
+        self._lora_store().remove(name)
+
+    def pin_lora(self, name: str) -> None:
+        self._lora_store().pin(name)
+
+    @property
+    def pinned_loras(self) -> frozenset[str]:
+        return self._loras.pinned if self._loras is not None else frozenset()
+
+    @remote_callable
+    def list_loras(self) -> list[str]:
+        return self._lora_store().names() if self._loras is not None else []
+
+    @remote_callable
+    def resident_loras(self) -> dict[str, Any]:
+        """The adapters on the device (least recently used first), the pinned ones, and
+        how many times an adapter was swapped in."""
+        store = self._lora_store()
+        return {"resident": store.resident, "pinned": sorted(store.pinned), "swaps": store.swaps}
+
+    def _lora_store(self) -> LoRAStore:
+        self._check_open()
+        if self._loras is None:
+            raise LoRAError("LoRA is not enabled: start the engine with enable_lora=True")
+        return self._loras
 
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """float32 logits `[len, vocab]` at every position of one sequence, prefilled
@@ -331,6 +418,8 @@ class ModelExecutor:
             self._model = None
         if level == 2:
             self._offloaded = None
+        if self._loras is not None:
+            self._loras.evict_all()  # the host copies stay: swapped in again when used
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -542,6 +631,9 @@ def load_executor(
     seed: int = 0,
     weights: WeightFormat = "auto",
     dtype: DTypeSpec = "auto",
+    enable_lora: bool = False,
+    max_loras: int = 4,
+    max_lora_rank: int = 64,
 ) -> ModelExecutor:
     """Resolve `model` (None: the default SmolLM2 GGUF) and build its executor;
     `weights="int8"` quantizes its projections at load (CPU only); `dtype` is the
@@ -559,4 +651,7 @@ def load_executor(
         seed=seed,
         weights=weights,
         dtype=dtype,
+        enable_lora=enable_lora,
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
     )

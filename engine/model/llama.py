@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from wavecore.engine.lora.compute import LoRARows, add_lora
 from wavecore.engine.model.attention import paged_attention
 from wavecore.engine.model.batch_plan import ForwardPlan
 from wavecore.engine.model.config import ModelConfig
@@ -37,8 +38,11 @@ class LlamaModel:
         self.rotary = rotary
         self.scale = config.head_dim**-0.5
 
-    def forward(self, plan: ForwardPlan, cache: PagedKVCache) -> torch.Tensor:
-        """Run every token of `plan`, fill the cache, return float32 logits of sampling rows."""
+    def forward(
+        self, plan: ForwardPlan, cache: PagedKVCache, lora: LoRARows | None = None
+    ) -> torch.Tensor:
+        """Run every token of `plan`, fill the cache, return float32 logits of sampling rows.
+        `lora` adds each adapter's deltas to its rows' products (`lora.compute`)."""
         config, weights = self.config, self.weights
         tokens = plan.num_tokens
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -51,6 +55,8 @@ class LlamaModel:
         for index, layer in enumerate(weights.layers):
             x = rms_norm(hidden, layer.attn_norm, eps)
             qkv = layer.qkv(x)
+            if lora is not None:
+                add_lora(qkv, x, lora, index, "qkv")
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
             # q and k heads rotate together: one rotary call per layer.
@@ -64,14 +70,21 @@ class LlamaModel:
                 queries, cache.keys[index], cache.values[index], plan.attention, self.scale
             )
             # Residual adds fused into the product: one op instead of two.
-            hidden = layer.o.add_to(hidden, attended.view(tokens, q_size))
+            attended = attended.view(tokens, q_size)
+            hidden = layer.o.add_to(hidden, attended)
+            if lora is not None:
+                add_lora(hidden, attended, lora, index, "o")
 
             x = rms_norm(hidden, layer.ffn_norm, eps)
             gate_up = layer.gate_up(x)
+            if lora is not None:
+                add_lora(gate_up, x, lora, index, "gate_up")
             gate = gate_up[:, :inter]
             F.silu(gate, inplace=True)
             gate *= gate_up[:, inter:]
             hidden = layer.down.add_to(hidden, gate)
+            if lora is not None:
+                add_lora(hidden, gate, lora, index, "down")
 
         last = rms_norm(hidden.index_select(0, plan.sample_rows), weights.final_norm, eps)
         return weights.lm_head(last).to(torch.float32)

@@ -109,7 +109,7 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def lookup_prefix(self, token_ids: list[int]) -> PrefixHit:
+    def lookup_prefix(self, token_ids: list[int], root: int = 0) -> PrefixHit:
         """The longest cached run of full blocks at the start of `token_ids`.
 
         At least one token is always left uncached, because the model must run a
@@ -121,7 +121,7 @@ class BlockManager:
         block_ids: list[int] = []
         block_hashes: list[int] = []
         if self.enable_prefix_caching:
-            parent = 0
+            parent = root
             for start in range(0, (num_tokens - 1) // size * size, size):
                 key = (parent, tuple(token_ids[start : start + size]))
                 block_id = self._key_to_block.get(key)
@@ -202,6 +202,7 @@ class BlockManager:
         block_hashes: list[int],
         token_ids: list[int],
         num_computed_tokens: int,
+        root: int = 0,
     ) -> None:
         """Register the full blocks whose KV is now computed, extending `block_hashes`.
 
@@ -212,7 +213,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         size = self.block_size
-        parent = block_hashes[-1] if block_hashes else 0
+        parent = block_hashes[-1] if block_hashes else root
         for index in range(len(block_hashes), num_computed_tokens // size):
             start = index * size
             key = (parent, tuple(token_ids[start : start + size]))

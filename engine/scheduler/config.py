@@ -25,6 +25,8 @@ class SchedulerConfig:
     sampling says `ignore_eos`. `async_scheduling` allows two steps in flight: the next
     is scheduled before the last one's samples are known (the batch queue).
     `speculative` turns on speculative decoding (`speculative.SpeculativeConfig`).
+    `max_loras` caps the distinct LoRA adapters among the running requests and the
+    pinned adapters (None: no adapters).
     """
 
     num_kv_blocks: int
@@ -37,6 +39,7 @@ class SchedulerConfig:
     eos_token_id: int | None = None
     async_scheduling: bool = False
     speculative: SpeculativeConfig | None = None
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -48,6 +51,8 @@ class SchedulerConfig:
             "prefill_interval",
         ):
             _check_positive(name, getattr(self, name))
+        if self.max_loras is not None:
+            _check_positive("max_loras", self.max_loras)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError("SchedulerConfig.enable_prefix_caching must be a bool")
         if not isinstance(self.async_scheduling, bool):

@@ -45,6 +45,7 @@ _new = object.__new__
     _chunk_all,
     _chunk_prompt_len,
     _chunk_drafts,
+    _chunk_lora,
 ) = _slot_setters(
     SequenceChunk,
     (
@@ -57,6 +58,7 @@ _new = object.__new__
         "all_token_ids",
         "prompt_len",
         "num_draft_tokens",
+        "lora",
     ),
 )
 
@@ -71,6 +73,7 @@ def build_chunk(
     all_token_ids: list[int],
     prompt_len: int,
     num_draft_tokens: int = 0,
+    lora: str | None = None,
 ) -> SequenceChunk:
     chunk = _new(SequenceChunk)
     _chunk_id(chunk, request_id)
@@ -82,6 +85,7 @@ def build_chunk(
     _chunk_all(chunk, all_token_ids)
     _chunk_prompt_len(chunk, prompt_len)
     _chunk_drafts(chunk, num_draft_tokens)
+    _chunk_lora(chunk, lora)
     return chunk
 
 

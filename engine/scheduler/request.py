@@ -40,7 +40,9 @@ class Request:
     of the table's full, computed blocks. A stop is decided by `stop_token_ids` (EOS
     included unless ignored) once the request reaches `min_len` tokens, and a request
     finishes for length at `max_len` tokens. `grammar` (structured output) is opaque
-    here: a `Grammar`, whose matcher accepts each output token in `update`.
+    here: a `Grammar`, whose matcher accepts each output token in `update`. `lora`
+    names the request's LoRA adapter (None: the base model); `prefix_root` starts its
+    prefix-cache hash chain, so that it shares blocks only with requests of its adapter.
     """
 
     __slots__ = (
@@ -48,10 +50,12 @@ class Request:
         "block_hashes",
         "block_table",
         "grammar",
+        "lora",
         "machine",
         "max_len",
         "min_len",
         "num_computed_tokens",
+        "prefix_root",
         "prompt_len",
         "request_id",
         "sampling",
@@ -68,8 +72,11 @@ class Request:
         eos_token_id: int | None,
         max_sequence_len: int,
         grammar: Grammar | None = None,
+        lora: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora = lora
+        self.prefix_root = 0 if lora is None else hash(("lora", lora))
         self.grammar = grammar
         self.backoff = Backoff()
         self.sampling = sampling

@@ -57,6 +57,13 @@ Theory of operation:
   leaves the step being scheduled to draft in the next, while the proposer matches its
   tokens and its drafts are accepted (`_sits_out_to_draft`); other requests keep
   their placeholder decode in every step.
+- LoRA adapters (`config.max_loras`): a request names its adapter, or none for the
+  base model. The running requests' distinct adapters and the pinned ones are at most
+  `max_loras` (the executor's device slots); a waiting request whose adapter would be
+  one too many stops admission where it stands, as a request without blocks does, so
+  it is admitted first once a running adapter's requests finish (never starved). Its
+  prefix-cache hash chain starts from its adapter (`Request.prefix_root`), so no block
+  is shared between adapters or with the base model.
 - A request can always progress alone: prompts that could never fit are refused at
   `add`, and a request finishes with LENGTH at `min(max_model_len, KV pool tokens)`.
 """
@@ -134,6 +141,8 @@ class Scheduler:
         self._proposer = NgramProposer(spec) if spec is not None else None
         self.spec_counts = SpecDecodeCounts(spec.num_speculative_tokens if spec else 0)
         self._last_stats = self._snapshot(step=0, num_seqs=0, num_tokens=0, num_preempted=0)
+        # Adapters kept resident by `pin_lora`: they hold device slots of their own.
+        self._pinned_loras: frozenset[str] = frozenset()
 
     # -- queries -------------------------------------------------------------------
 
@@ -202,6 +211,18 @@ class Scheduler:
         """The live request with this id, or None."""
         return self._requests.get(request_id)
 
+    def running_per_lora(self) -> dict[str, int]:
+        """Running requests per LoRA adapter (the base model's not counted)."""
+        counts: dict[str, int] = {}
+        for request in self._running:
+            if request.lora is not None:
+                counts[request.lora] = counts.get(request.lora, 0) + 1
+        return counts
+
+    def set_pinned_loras(self, names: Iterable[str]) -> None:
+        """The adapters pinned on the executor now (each holds a slot)."""
+        self._pinned_loras = frozenset(names)
+
     # -- requests in and out -------------------------------------------------------
 
     def add(
@@ -210,14 +231,20 @@ class Scheduler:
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         grammar: Grammar | None = None,
+        lora: str | None = None,
     ) -> None:
-        """Queue a new request. Raises before changing anything if it is invalid."""
+        """Queue a new request (under LoRA adapter `lora`, None for the base model).
+        Raises before changing anything if it is invalid."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
             raise DuplicateRequestError(f"request id {request_id!r} is already live")
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        if lora is not None and self.config.max_loras is None:
+            raise InvalidPromptError(
+                f"request {request_id!r} names LoRA adapter {lora!r}, but LoRA is not enabled"
+            )
         if isinstance(prompt_token_ids, str | bytes):
             raise InvalidPromptError(f"request {request_id!r}: prompt must be token ids, not text")
         tokens = list(prompt_token_ids)
@@ -241,6 +268,7 @@ class Scheduler:
             eos_token_id=self.config.eos_token_id,
             max_sequence_len=self._max_sequence_len,
             grammar=grammar,
+            lora=lora,
         )
         self._requests[request_id] = request
         self._waiting.append(request)
@@ -387,6 +415,7 @@ class Scheduler:
                     history,
                     request.prompt_len,
                     num_drafts,
+                    request.lora,
                 )
             )
             requests.append(request)
@@ -541,6 +570,9 @@ class Scheduler:
         max_num_seqs = self.config.max_num_seqs
         new_allowed = self._pause is None
         compiling: list[Request] = []
+        # The adapters holding device slots: the running requests' and the pinned ones
+        # (built at the first waiting request with an adapter).
+        slots: set[str] | None = None
         while waiting and budget > 0 and len(running) < max_num_seqs:
             request = waiting[0]
             if not new_allowed and request.machine.state is not _PREEMPTED:
@@ -548,8 +580,15 @@ class Scheduler:
             if request.grammar is not None and not request.grammar.ready:
                 compiling.append(waiting.popleft())  # put back in place below
                 continue
+            lora = request.lora
+            if lora is not None:
+                if slots is None:
+                    slots = {r.lora for r in running if r.lora is not None}
+                    slots |= self._pinned_loras
+                if lora not in slots and len(slots) >= self.config.max_loras:  # type: ignore[operator]
+                    break  # first in line once an adapter's slot frees
             tokens = request.token_ids
-            hit = block_manager.lookup_prefix(tokens)
+            hit = block_manager.lookup_prefix(tokens, request.prefix_root)
             computed = hit.num_tokens
             total = len(tokens)
             end = min(total, computed + budget)
@@ -561,6 +600,8 @@ class Scheduler:
             request.block_hashes = list(hit.block_hashes)
             request.num_computed_tokens = end
             running.append(request)
+            if lora is not None and slots is not None:
+                slots.add(lora)
             sample = end == total
             num_sampled += sample
             chunks.append(
@@ -573,6 +614,8 @@ class Scheduler:
                     request.sampling,
                     tokens,
                     request.prompt_len,
+                    0,
+                    request.lora,
                 )
             )
             requests.append(request)
@@ -630,6 +673,7 @@ class Scheduler:
             request.block_hashes,
             request.token_ids,
             request.num_computed_tokens,
+            request.prefix_root,
         )
 
     def _preempt(self, request: Request) -> None:

@@ -1,7 +1,9 @@
 """The admin routes (`--enable-admin-api`), as upstream's development endpoints: pause,
 resume, sleep, wake_up, reset_prefix_cache, scale, is_paused, is_sleeping, stats,
 start_profile and stop_profile (the traces go into `?directory=`, else the directory
-that `WAVECORE_TORCH_PROFILER_DIR` names, as upstream's `VLLM_TORCH_PROFILER_DIR`).
+that `WAVECORE_TORCH_PROFILER_DIR` names, as upstream's `VLLM_TORCH_PROFILER_DIR`), and
+upstream's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (JSON bodies with
+`lora_name`, and `lora_path` to load).
 
 Each is one engine call; its arguments come from the query string (`/sleep?level=1`),
 `/scale` from a JSON body. The engine refuses what its state does not allow, and that
@@ -21,6 +23,7 @@ from starlette.routing import Route
 
 from wavecore.engine.errors import EngineError
 from wavecore.engine.interface import Engine
+from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.serve.bodies import read_json
 from wavecore.engine.serve.errors import bad_field
 from wavecore.engine.serve.state import ServerState
@@ -106,6 +109,32 @@ def _scale_call(limit: int) -> AdminCall:
     return scale
 
 
+def _lora_calls(limit: int) -> tuple[AdminCall, AdminCall]:
+    async def names(request: Request, *fields: str) -> list[str]:
+        body = await read_json(request, limit)
+        values = [body.get(field) for field in fields]
+        for field, value in zip(fields, values, strict=True):
+            if not isinstance(value, str) or not value:
+                raise bad_field(field, f"must be a non-empty string, got {value!r}")
+        return values  # type: ignore[return-value]
+
+    async def load(engine: Engine, request: Request) -> dict[str, Any]:
+        name, path = await names(request, "lora_name", "lora_path")
+        try:
+            adapter = LoRARequest(name, path)
+        except ValueError as error:
+            raise bad_field("lora_name", str(error)) from None
+        await engine.add_lora(adapter)
+        return {"lora_name": name, "lora_path": adapter.path}
+
+    async def unload(engine: Engine, request: Request) -> dict[str, Any]:
+        (name,) = await names(request, "lora_name")
+        await engine.remove_lora(name)
+        return {"lora_name": name}
+
+    return load, unload
+
+
 def _query_int(request: Request, name: str, *, default: int) -> int:
     text = request.query_params.get(name)
     if text is None:
@@ -136,7 +165,10 @@ def admin_routes(state: ServerState) -> list[Route]:
 
         return Route(path, endpoint, methods=[method])
 
+    load_lora, unload_lora = _lora_calls(state.options.max_request_bytes)
     return [
+        route("/v1/load_lora_adapter", load_lora, "POST"),
+        route("/v1/unload_lora_adapter", unload_lora, "POST"),
         route("/pause", _pause, "POST"),
         route("/resume", _resume, "POST"),
         route("/sleep", _sleep, "POST"),

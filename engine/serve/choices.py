@@ -37,6 +37,8 @@ class Choice:
     echo: str
     # Whether this choice reports its prompt's tokens in `usage` (the first of its `n`).
     counts_prompt: bool
+    # The LoRA adapter the request's `model` named (None: the base model).
+    lora: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,7 @@ def prepare_choices(ready: ReadyEngine, call: GenerationCall, call_id: str) -> l
                     params=_seeded(params, sample),
                     echo=echo,
                     counts_prompt=sample == 0,
+                    lora=call.lora,
                 )
             )
     return choices
@@ -114,7 +117,10 @@ async def _run_choice(
     async with events:
         try:
             async for delta in ready.engine.generate(
-                list(choice.prompt_token_ids), choice.params, request_id=choice.request_id
+                list(choice.prompt_token_ids),
+                choice.params,
+                request_id=choice.request_id,
+                lora=choice.lora,
             ):
                 now = time.perf_counter()
                 if delta.token_ids:

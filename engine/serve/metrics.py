@@ -216,6 +216,12 @@ class ServerMetrics:
             per_rank,
             registry=self.registry,
         )
+        self._lora_running = Gauge(
+            "wavecore:lora_requests_running",
+            "Running requests under each LoRA adapter.",
+            [*per_rank, "lora_name"],
+            registry=self.registry,
+        )
         self._prompt_tokens = Counter(
             "wavecore:prompt_tokens",
             "Prefill tokens processed.",
@@ -276,7 +282,14 @@ class ServerMetrics:
 
     def exposition(self, stats: EngineStats | None) -> bytes:
         """The text format, with the scheduler gauges taken from `stats` (none without)."""
-        for gauge in (self._running, self._waiting, self._kv_usage, self._prefix_hit_rate):
+        gauges = (
+            self._running,
+            self._waiting,
+            self._kv_usage,
+            self._prefix_hit_rate,
+            self._lora_running,
+        )
+        for gauge in gauges:
             gauge.clear()  # a rank removed by a scale must not linger
         self._engine_counters.stats = stats
         self._dropped_frames.stats = stats
@@ -286,4 +299,6 @@ class ServerMetrics:
             self._waiting.labels(*labels).set(rank.core.num_waiting)
             self._kv_usage.labels(*labels).set(rank.core.kv_usage)
             self._prefix_hit_rate.labels(*labels).set(rank.core.prefix_cache_hit_rate)
+            for name, count in rank.core.lora_running.items():
+                self._lora_running.labels(*labels, name).set(count)
         return generate_latest(self.registry)

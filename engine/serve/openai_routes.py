@@ -45,13 +45,15 @@ def openai_routes(state: ServerState) -> list[Route]:
         return await _generate(state, request, "chat")
 
     async def models(request: Request) -> Response:
-        entry = {
-            "id": state.options.model_name,
-            "object": "model",
-            "created": state.started,
-            "owned_by": "wavecore",
-        }
-        return JSONResponse({"object": "list", "data": [entry]})
+        base = state.options.model_name
+        entry = {"object": "model", "created": state.started, "owned_by": "wavecore"}
+        data = [{"id": base, **entry}]
+        ready = state.serving()
+        if ready is not None:
+            # Each adapter, with its base as parent (upstream's model card fields).
+            adapters = await ready.engine.list_loras()
+            data += [{"id": a.name, **entry, "root": a.path, "parent": base} for a in adapters]
+        return JSONResponse({"object": "list", "data": data})
 
     async def health(request: Request) -> Response:
         state.ready()
@@ -73,7 +75,7 @@ async def _generate(state: ServerState, request: Request, kind: CallKind) -> Res
     ready = state.ready()
     options = state.options
     body = await read_json(request, options.max_request_bytes, body_timeout=options.body_timeout)
-    call = parse_call(kind, body, options.model_name)
+    call = parse_call(kind, body, options.model_name, ready.lora_names())
     check_work(
         len(call.prompts),
         call.n,

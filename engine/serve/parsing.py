@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -68,6 +68,8 @@ class GenerationCall:
     # The body field that asked for structured output ("response_format" or
     # "structured_outputs"), named by a 400 when its grammar does not compile.
     structured_field: str | None = None
+    # The LoRA adapter the `model` field named (None: the base model).
+    lora: str | None = None
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -82,8 +84,10 @@ def parse_json(body: bytes) -> dict[str, Any]:
     return value
 
 
-def parse_call(kind: CallKind, body: Mapping[str, Any], model_name: str) -> GenerationCall:
-    _check_model(body, model_name)
+def parse_call(
+    kind: CallKind, body: Mapping[str, Any], model_name: str, loras: Collection[str] = ()
+) -> GenerationCall:
+    lora = _model_or_lora(body, model_name, loras)
     _check_unsupported(body)
     _optional_str(body, "user")
     stream = _bool(body, "stream", default=False)
@@ -120,20 +124,24 @@ def parse_call(kind: CallKind, body: Mapping[str, Any], model_name: str) -> Gene
         echo=echo,
         logprobs=wanted_logprobs is not None,
         structured_field=structured_field,
+        lora=lora,
     )
 
 
-def _check_model(body: Mapping[str, Any], model_name: str) -> None:
+def _model_or_lora(body: Mapping[str, Any], model_name: str, loras: Collection[str]) -> str | None:
+    """The LoRA adapter the `model` field names, None for the base model."""
     model = body.get("model")
-    if model is None:
-        return
-    if model != model_name:
-        raise APIError(
-            400,
-            f"the model {model!r} does not exist; this server serves {model_name!r}",
-            param="model",
-            code="model_not_found",
-        )
+    if model is None or model == model_name:
+        return None
+    if isinstance(model, str) and model in loras:
+        return model
+    served = ", ".join(repr(name) for name in (model_name, *sorted(loras)))
+    raise APIError(
+        400,
+        f"the model {model!r} does not exist; this server serves {served}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _check_unsupported(body: Mapping[str, Any]) -> None:

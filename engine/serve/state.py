@@ -12,7 +12,9 @@ from wavecore.engine.errors import (
     EngineDeadError,
     EngineError,
     InvalidRequestError,
+    LoRAError,
     ScalingFailedError,
+    UnknownLoRAError,
     UnknownRequestError,
 )
 from wavecore.engine.frontend.engine import FrontEnd
@@ -34,6 +36,10 @@ class ReadyEngine:
         self.engine: Engine = engine
         self.tokenizer = engine.core_client.tokenizer
         self.inputs = InputProcessor(self.tokenizer, max_model_len=engine.max_model_len)
+
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters loaded: a request's `model` may name one."""
+        return self.engine.lora_names()  # type: ignore[attr-defined]
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)  # type: ignore[attr-defined]
@@ -88,6 +94,10 @@ class ServerState:
             return self.died(error)
         if isinstance(error, EngineClosedError):
             return APIError(503, "the server is shutting down", code="shutting_down")
+        if isinstance(error, UnknownLoRAError):
+            return APIError(404, str(error), code="lora_not_found")
+        if isinstance(error, LoRAError):
+            return APIError(400, str(error), code="invalid_lora")
         if isinstance(error, InvalidRequestError):
             return APIError(400, str(error), code="invalid_value")
         if isinstance(error, ScalingFailedError):

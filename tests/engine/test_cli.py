@@ -229,11 +229,13 @@ class DiesAfterTheOthers:
         self._others_left = others
         self._others_done = anyio.Event()
 
-    async def generate(self, prompt: Any, params: SamplingParams) -> AsyncIterator[CompletionDelta]:
+    async def generate(
+        self, prompt: Any, params: SamplingParams, lora: str | None = None
+    ) -> AsyncIterator[CompletionDelta]:
         if prompt == "die":
             await self._others_done.wait()
             raise EngineDeadError("rank 0 failed: out of memory")
-        async for delta in self._engine.generate(prompt, params):
+        async for delta in self._engine.generate(prompt, params, lora=lora):
             yield delta
         self._others_left -= 1
         if not self._others_left:
@@ -483,12 +485,14 @@ class InterruptedAfterTheOthers:
         self._others_left = others
         self._others_done = anyio.Event()
 
-    async def generate(self, prompt: Any, params: SamplingParams) -> AsyncIterator[CompletionDelta]:
+    async def generate(
+        self, prompt: Any, params: SamplingParams, lora: str | None = None
+    ) -> AsyncIterator[CompletionDelta]:
         if prompt == "wait":
             await self._others_done.wait()
             signal.raise_signal(signal.SIGINT)
             await anyio.sleep_forever()
-        async for delta in self._engine.generate(prompt, params):
+        async for delta in self._engine.generate(prompt, params, lora=lora):
             yield delta
         self._others_left -= 1
         if not self._others_left:

@@ -99,6 +99,8 @@ def smollm_executor(smollm_path: Path) -> Iterator[ModelExecutor]:
         dtype="float32",
         kv_cache_memory=160 * 2**20,
         sampler=ArgmaxSampler(),
+        # For test_lora_reference; steps of the base model alone run exactly as without.
+        enable_lora=True,
     )
     yield executor
     executor.close()

@@ -236,6 +236,7 @@ class GreedyRequest:
     block_table: list[int]
     computed: int = 0
     output: list[int] = field(default_factory=list)
+    lora: str | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -265,6 +266,7 @@ class GreedyRunner:
         *,
         share_prefix_of: GreedyRequest | None = None,
         shared_blocks: int = 0,
+        lora: str | None = None,
     ) -> GreedyRequest:
         """A request; with `share_prefix_of`, its first `shared_blocks` blocks are that one's."""
         size = self.executor.block_size
@@ -278,6 +280,7 @@ class GreedyRunner:
             max_new_tokens=max_new_tokens,
             block_table=table,
             computed=len(shared) * size,
+            lora=lora,
         )
 
     def run(self, requests: Sequence[GreedyRequest], *, chunk_size: int | None = None) -> None:
@@ -298,6 +301,7 @@ class GreedyRunner:
                         sampling=SamplingParams(temperature=0.0, max_tokens=request.max_new_tokens),
                         all_token_ids=tokens,
                         prompt_len=len(request.prompt),
+                        lora=request.lora,
                     )
                 )
                 request.computed += take

@@ -1,0 +1,278 @@
+"""LoRA adapters: how the deltas are computed, and what adapters cost the engine.
+
+Part 1, the delta kernel (on the CPU with one thread): one fused product's LoRA delta (SmolLM2-135M's qkv, 576 ->
+960, every target at rank 16, so R = 48) for a step of T tokens spread over K
+adapters interleaved token by token (as decodes of several adapters are), three ways:
+wavecore's (one adapter: a slice; several: every row against the adapters stacked, its
+own columns kept by a mask, `compute.MixedDecodes`: three ops whatever the count),
+grouped by a gather in adapter order (one `index_select`, two products per adapter, one
+`index_add_`), and a gather-based batched product (each token's own `a` and `b`
+gathered from the stacked adapters, then one `bmm` per side for all tokens, as
+punica's BGMV does on GPUs); beside the base product itself (float32 BLAS). On a CUDA
+device too when one is present (bfloat16).
+
+Part 2, end to end (one rank in this process, the real model as `open_engine` loads it
+by default, greedy, `ignore_eos`): 32 concurrent requests of the same prompts, in the
+same engine: the base model only, every request on one adapter, and spread over 4
+adapters (`max_loras=4`); throughput in generated tokens per second and its ratio to
+the base model's. The adapters are random, rank 16, on every projection.
+
+Usage: python bench/lora.py [--quick] [--skip-engine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+from machine import describe
+from safetensors.torch import save_file
+
+from wavecore.engine.api import open_engine
+from wavecore.engine.config import EngineConfig
+from wavecore.engine.lora.adapters import Adapter, AdapterLayer, FusedDelta, StackedAdapters
+from wavecore.engine.lora.compute import LoRARows, MixedDecodes, add_lora
+from wavecore.engine.lora.request import LoRARequest
+from wavecore.engine.sampling_params import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results" / "lora.json"
+HIDDEN, QKV_OUT, RANK = 576, 960, 16
+R = 3 * RANK  # q, k and v side by side
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle stays upright.",
+    "List ten uses of copper and say why each works.",
+    "Describe the water cycle to a child.",
+]
+
+
+def _timed(run: Any, repeats: int, device: torch.device) -> float:
+    """Median milliseconds of `run()` (after a warm-up), synchronized on CUDA."""
+    run()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def delta_kernels(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.05).to(device, dtype)
+
+    weight = rand(HIDDEN, QKV_OUT)
+    repeats = 5 if quick else 50
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        # One thread: on a shared 2-vCPU machine every op of two threads waits for both
+        # cores (1.5 ms floors under load); one thread compares the methods' own work.
+        torch.set_num_threads(1)
+    try:
+        return _delta_cases(rand, weight, repeats, device, dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _delta_cases(
+    rand: Any, weight: torch.Tensor, repeats: int, device: torch.device, dtype: torch.dtype
+) -> list[dict[str, Any]]:
+    with torch.inference_mode():
+        _timed(lambda: rand(512, HIDDEN) @ weight, 10, device)  # thread pools up
+        _delta_case(rand, weight, 1, 1, repeats, device, dtype)  # the first case, discarded
+        return [
+            _delta_case(rand, weight, tokens, count, repeats, device, dtype)
+            for tokens in (1, 8, 32, 128, 512)
+            for count in (1, 4)
+            if count <= tokens
+        ]
+
+
+def _delta_case(
+    rand: Any,
+    weight: torch.Tensor,
+    tokens: int,
+    count: int,
+    repeats: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    x = rand(tokens, HIDDEN)
+    deltas = [FusedDelta(rand(HIDDEN, R), rand(R, QKV_OUT)) for _ in range(count)]
+    adapters = [
+        Adapter(LoRARequest(f"a{i}", "/x"), RANK, (AdapterLayer(d, None, None, None),))
+        for i, d in enumerate(deltas)
+    ]
+    # Decode-like: adapters interleaved token by token (scattered rows).
+    owner = torch.arange(tokens) % count
+    if count == 1:
+        rows = LoRARows(((adapters[0], 0, tokens),))
+    else:
+        rows = LoRARows((), MixedDecodes(StackedAdapters(adapters), owner.to(device)))
+    order = torch.cat([(owner == i).nonzero().flatten() for i in range(count)]).to(device)
+    bounds = torch.bincount(owner, minlength=count).cumsum(0).tolist()
+    runs = list(zip(deltas, [0, *bounds[:-1]], bounds, strict=True))
+    stacked_a = torch.stack([d.a for d in deltas])  # [K, in, R]
+    stacked_b = torch.stack([d.b for d in deltas])  # [K, R, out]
+    index = owner.to(device)
+    out = torch.zeros(tokens, QKV_OUT, device=device, dtype=dtype)
+
+    def wavecore() -> None:
+        add_lora(out, x, rows, 0, "qkv")
+
+    def sorted_gather() -> None:
+        taken = x.index_select(0, order)
+        deltas_out = torch.empty(tokens, QKV_OUT, device=device, dtype=dtype)
+        for delta, start, end in runs:
+            torch.mm(taken[start:end] @ delta.a, delta.b, out=deltas_out[start:end])
+        out.index_add_(0, order, deltas_out)
+
+    def gathered() -> None:
+        a = stacked_a.index_select(0, index)  # [T, in, R]
+        b = stacked_b.index_select(0, index)  # [T, R, out]
+        out.add_(torch.bmm(torch.bmm(x.unsqueeze(1), a), b).squeeze(1))
+
+    return {
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "tokens": tokens,
+        "adapters": count,
+        "base_ms": _timed(lambda: x @ weight, repeats, device),
+        "wavecore_ms": _timed(wavecore, repeats, device),
+        "sorted_gather_ms": _timed(sorted_gather, repeats, device),
+        "gather_bmm_ms": _timed(gathered, repeats, device),
+    }
+
+
+def write_adapter(directory: Path, seed: int, config: dict[str, int]) -> Path:
+    """A random rank-16 adapter on every projection, in PEFT's format."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter, q, kv = config["hidden"], config["inter"], config["q"], config["kv"]
+    shapes = {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    tensors = {}
+    for layer in range(config["layers"]):
+        for target, (fan_in, fan_out) in shapes.items():
+            block = "self_attn" if target[0] in "qkvo" else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            a = torch.randn(RANK, fan_in, generator=gen) / fan_in**0.5
+            tensors[f"{prefix}.lora_A.weight"] = a
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=gen) * 0.01
+    directory.mkdir(parents=True)
+    settings = {"peft_type": "LORA", "r": RANK, "lora_alpha": 32, "target_modules": list(shapes)}
+    (directory / "adapter_config.json").write_text(json.dumps(settings))
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory
+
+
+async def _throughput(engine: Any, loras: list[str | None], max_tokens: int) -> float:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    produced = 0
+
+    async def one(index: int) -> None:
+        nonlocal produced
+        prompt = PROMPTS[index % len(PROMPTS)] + f" ({index})"
+        async for delta in engine.generate(prompt, params, lora=loras[index]):
+            produced += len(delta.token_ids)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for index in range(len(loras)):
+            tg.start_soon(one, index)
+    return produced / (time.perf_counter() - start)
+
+
+async def end_to_end(quick: bool) -> list[dict[str, Any]]:
+    requests, max_tokens, repeats = (32, 16, 1) if quick else (32, 64, 3)
+    smollm = {"hidden": 576, "inter": 1536, "q": 576, "kv": 192, "layers": 30}
+    with tempfile.TemporaryDirectory() as root:
+        modules = tuple(
+            LoRARequest(f"adapter-{i}", str(write_adapter(Path(root) / str(i), i, smollm)))
+            for i in range(4)
+        )
+        config = EngineConfig(enable_lora=True, max_loras=4, lora_modules=modules, max_num_seqs=64)
+        runs = {
+            "base": [None] * requests,
+            "1 adapter": ["adapter-0"] * requests,
+            "4 adapters": [f"adapter-{i % 4}" for i in range(requests)],
+        }
+        async with open_engine(config) as engine:
+            await _throughput(engine, [None] * 8, 8)  # warm-up
+            figures: dict[str, list[float]] = {name: [] for name in runs}
+            for _ in range(repeats):  # interleaved, so drift hits every run alike
+                for name, loras in runs.items():
+                    await engine.reset_prefix_cache()
+                    figures[name].append(await _throughput(engine, loras, max_tokens))
+            kernels = (await engine.stats()).ranks[0].kernels
+    base = statistics.median(figures["base"])
+    return [
+        {
+            "run": name,
+            "requests": requests,
+            "max_tokens": max_tokens,
+            "tokens_per_s": statistics.median(values),
+            "ratio_to_base": statistics.median(values) / base,
+            "kernels": kernels,
+        }
+        for name, values in figures.items()
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, shorter outputs")
+    parser.add_argument("--skip-engine", action="store_true", help="the kernels only")
+    args = parser.parse_args()
+    machine = describe()
+    result: dict[str, Any] = {"machine": machine}
+    kernels = delta_kernels(torch.device("cpu"), torch.float32, args.quick)
+    if torch.cuda.is_available():
+        kernels += delta_kernels(torch.device("cuda"), torch.bfloat16, args.quick)
+    result["delta_kernels"] = kernels
+    print(
+        f"LoRA delta of one qkv product, R={R}, one CPU thread ({machine['cpu']}, "
+        f"{machine['cpus']} CPUs)"
+    )
+    print(f"{'device':<6} {'tokens':>6} {'adapters':>8} {'base ms':>8} {'wavecore ms':>11} "
+          f"{'sorted-gather ms':>16} {'gather-bmm ms':>13}")  # fmt: skip
+    for row in kernels:
+        print(
+            f"{row['device']:<6} {row['tokens']:>6} {row['adapters']:>8} {row['base_ms']:>8.3f} "
+            f"{row['wavecore_ms']:>11.3f} {row['sorted_gather_ms']:>16.3f} "
+            f"{row['gather_bmm_ms']:>13.3f}"
+        )
+    if not args.skip_engine:
+        runs = anyio.run(end_to_end, args.quick)
+        result["end_to_end"] = runs
+        print("\nEnd to end, one rank, greedy, 32 concurrent requests (same engine)")
+        print(f"{'run':<11} {'tok/s':>8} {'ratio':>6}")
+        for row in runs:
+            print(f"{row['run']:<11} {row['tokens_per_s']:>8.1f} {row['ratio_to_base']:>6.2f}")
+        print(f"kernels: {runs[0]['kernels']}")
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Adding a step's LoRA deltas beside the base products, grouped per adapter.
+
+A step's tokens are grouped by adapter (`LoRARows`): when each adapter's rows are one
+contiguous run (prefill chunks, or a step that serves one adapter) they are taken as
+slices; when they are scattered among the decodes (which the batch plan orders by
+context length, for attention), the step's adapter rows are gathered once per product
+in adapter order (`index_select`), each adapter's run computed, and the deltas added
+back in one `index_add_`. Each adapter costs two small products per targeted fused
+product, in the activations' dtype, added to the base product's output whatever kernel
+computed it. (One gather per adapter instead cost about a third of a 4-adapter
+decode step's LoRA time on SmolLM2: index ops, not products.)
+bench/lora.py measured this against a gather-based batched product (each token's own
+`a` and `b` gathered, one `bmm` for all tokens): grouping won at every batch size on
+the CPU it names (the gather copies `in x R` values per token), so grouping is what
+runs. Rows of the base model belong to no group and cost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from wavecore.engine.lora.adapters import Adapter, FusedDelta, StackedAdapters
+
+
+class MixedDecodes:
+    """The decode rows `[0, len(owner))` when they mix adapters: `owner[row]` is the
+    index of the row's adapter in `stacked` (-1: the base model). Each row's delta is
+    taken against every adapter at once and masked to its own adapter's columns."""
+
+    def __init__(self, stacked: StackedAdapters, owner: torch.Tensor) -> None:
+        self.stacked = stacked
+        self.owner = owner
+        self.rows = int(owner.shape[0])
+        self._masks: dict[int, torch.Tensor] = {}  # by column layout (its tensor's id)
+
+    def mask(self, columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`[rows, R]`: 1 where column `c` is the row's own adapter's."""
+        mask = self._masks.get(id(columns))
+        if mask is None:
+            mask = (self.owner[:, None] == columns[None, :]).to(dtype)
+            self._masks[id(columns)] = mask
+        return mask
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARows:
+    """A step's rows per adapter: contiguous `runs` `(adapter, start, end)`, and the
+    decodes when they mix adapters (`mixed`)."""
+
+    runs: tuple[tuple[Adapter, int, int], ...]
+    mixed: MixedDecodes | None = None
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, lora: LoRARows, layer: int, product: str) -> None:
+    """`out[rows] += (x[rows] @ a) @ b` for each adapter's `product` delta at `layer`."""
+    for adapter, start, end in lora.runs:
+        delta: FusedDelta | None = getattr(adapter.layers[layer], product)
+        if delta is not None:
+            out[start:end].addmm_(x[start:end] @ delta.a, delta.b)
+    mixed = lora.mixed
+    if mixed is None:
+        return
+    stacked = mixed.stacked.layers[layer][product]
+    if stacked is not None:
+        rows = mixed.rows
+        h = x[:rows] @ stacked.a
+        h.mul_(mixed.mask(stacked.columns, h.dtype))
+        out[:rows].addmm_(h, stacked.b)
