@@ -49,12 +49,10 @@ from wavecore.engine.errors import (
     ProfilerStateError,
     RankCallError,
     ScalingInProgressError,
-    ScalingRefusedError,
     UnknownRequestError,
     WeightUpdateInProgressError,
     WeightUpdateRefusedError,
 )
-from wavecore.engine.executors.batch import SampledToken
 from wavecore.engine.frontend.call_checks import (
     check_params_text,
     check_prompt,
@@ -66,7 +64,9 @@ from wavecore.engine.frontend.input_processor import InputProcessor
 from wavecore.engine.frontend.iteration_stats import IterationStats
 from wavecore.engine.frontend.load_balancer import LoadBalancer
 from wavecore.engine.frontend.lora_calls import LoRACalls
+from wavecore.engine.frontend.output_receivers import OutputReceivers
 from wavecore.engine.frontend.request_stream import RequestStream
+from wavecore.engine.frontend.scale_host import ScaleHostPart
 from wavecore.engine.frontend.weight_calls import WeightCalls
 from wavecore.engine.interface import (
     DEFAULT_SHARD_SIZE,
@@ -78,9 +78,7 @@ from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.outputs import CompletionDelta
 from wavecore.engine.request import Prompt
 from wavecore.engine.sampling_params import SamplingParams
-from wavecore.engine.scheduler import RequestUpdate
-from wavecore.engine.weight_messages import RankReply
-from wavecore.statemachines import SLEEP_TAGS, FinishReason, PauseMode, sleep_tags
+from wavecore.statemachines import SLEEP_TAGS, PauseMode, sleep_tags
 
 _request_numbers = itertools.count()
 
@@ -132,7 +130,7 @@ def wake_tags(tags: Sequence[str] | None) -> frozenset[str]:
     return frozenset(tags)
 
 
-class FrontEnd:
+class FrontEnd(ScaleHostPart, OutputReceivers):
     """Use through `open_engine`; every method is safe to call from any task."""
 
     def __init__(self, core: CoreClient, config: EngineConfig | None = None) -> None:
@@ -544,139 +542,6 @@ class FrontEnd:
             range(self._dp_size), method, args, kwargs or {}, timeout
         )
 
-    async def scale(self, new_dp_size: int, *, drain_timeout: float | None = None) -> None:
-        self._check_open()
-        if isinstance(new_dp_size, bool) or not isinstance(new_dp_size, int) or new_dp_size < 1:
-            raise ScalingRefusedError(f"new_dp_size must be an int >= 1, got {new_dp_size!r}")
-        try:
-            drain_timeout = timeout_seconds(drain_timeout, "drain_timeout")
-        except InvalidRequestError as error:
-            raise ScalingRefusedError(str(error)) from None
-        self._check_not_scaling("scale")
-        if self._paused or self._pausing is not None or self._sleeping:
-            raise ScalingRefusedError(
-                "the engine is paused or asleep: resume or wake it before scaling"
-            )
-        if new_dp_size == self._dp_size:
-            return
-        if self._profiling:
-            raise ScalingRefusedError("the profiler runs: call stop_profile before scaling")
-        if self._weights.updated:
-            raise ScalingRefusedError(
-                "the ranks serve weights given to update_weights (version "
-                f"{self._weights.version!r}); a new rank would load the model file instead"
-            )
-        self._scaling = True
-        try:
-            await self._core.scale(self, new_dp_size, drain_timeout)
-        finally:
-            self._scaling = False
-
-    # -- what a scale asks of the front end (`core_client.ScaleHost`) ----------------------
-
-    def route_to(self, dp_size: int) -> None:
-        balancer = LoadBalancer(dp_size)
-        kept = min(dp_size, self._balancer.dp_size)
-        balancer.inflight[:kept] = self._balancer.inflight[:kept]
-        self._balancer = balancer
-
-    def resize_tables(self, dp_size: int) -> None:
-        self._dp_size = dp_size
-        self._requests_per_rank = (self._requests_per_rank + [0] * dp_size)[:dp_size]
-        self.route_to(dp_size)
-
-    def unfinished_on(self, ranks: Collection[int]) -> dict[str, int]:
-        return {rid: rank for rid, rank in self._owner.items() if rank in ranks}
-
-    async def request_finished(self) -> None:
-        await self._request_done.wait()
-        self._check_open()
-
-    async def abort_on(self, requests: dict[str, int]) -> None:
-        for request_id, rank in requests.items():
-            await self._send(rank, m.AbortRequests(request_ids=(request_id,)))
-
-    async def prepare_ranks(self, ranks: Collection[int]) -> None:
-        await self._loras.load_on(sorted(ranks))
-
-    async def call_ranks(self, ranks: Collection[int], message: Callable[[int], Any]) -> None:
-        call = await self._start_call(ranks, message)
-        await self._finish_call(call)
-
-    async def coordinator_size(self, dp_size: int) -> None:
-        while self._published_size != dp_size:
-            await self._published.wait()
-            self._check_open()
-
-    def shrink_refused(self) -> str | None:
-        if self._scaling:
-            return "a scale was running"
-        if self._paused or self._pausing is not None or self._sleeping or self._asleep:
-            return "the engine was paused or asleep"
-        if self._weights.updating:
-            return "update_weights was running"
-        return None
-
-    def reconfiguring(self, active: bool) -> None:
-        self._scaling = active
-
-    async def lose_ranks(
-        self, lost: Collection[int], survivors: Sequence[int], error: str, *, resend: bool
-    ) -> None:
-        new = {old: rank for rank, old in enumerate(survivors)}
-        again: list[str] = []
-        for request_id, rank in list(self._owner.items()):
-            stream = self._streams[request_id]
-            if rank in new:
-                self._owner[request_id] = new[rank]
-            elif resend and not stream.produced_output and not stream.resent:
-                again.append(request_id)
-            else:
-                stream.end_with_error(error)
-                self._finished(request_id)
-        for call_id, call in list(self._calls.items()):
-            # Every answer so far came under the old numbers; a lost rank that did not
-            # answer never will.
-            silent = (call.ranks & set(lost)) - call.answered
-            if silent:
-                call.errors.append(error)
-                call.pending -= len(silent)
-            call.ranks = {new[rank] for rank in call.ranks if rank in new}
-            call.answered = {new[rank] for rank in call.answered if rank in new}
-            if call.pending <= 0:
-                del self._calls[call_id]
-                call.done.set()
-        self._outbox = deque((new[rank], item) for rank, item in self._outbox if rank in new)
-        inflight = [self._balancer.inflight[old] for old in survivors]
-        self._requests_per_rank = [self._requests_per_rank[old] for old in survivors]
-        self._dp_size = len(survivors)
-        self.route_to(len(survivors))
-        self._balancer.inflight = inflight
-        for request_id in again:
-            # No output yet: sent again whole, once (it may be what broke its rank), so
-            # its caller sees one exact answer. Under a new id, so that what the lost
-            # rank produced before it died and is still on its way finds no stream.
-            stream = self._streams.pop(request_id)
-            del self._owner[request_id]
-            stream.resent = True
-            sent_as = request_id + "\x00"
-            while sent_as in self._streams or sent_as in self._resent_as:
-                sent_as += "\x00"
-            self._resent_as[request_id] = sent_as
-            self._streams[sent_as] = stream
-            request = stream.request
-            rank = self._balancer.pick()
-            self._owner[sent_as] = rank
-            self._requests_per_rank[rank] += 1
-            message = m.AddRequest(
-                request_id=sent_as,
-                prompt_token_ids=request.prompt_token_ids,
-                params=request.params,
-                wave=self._wave,
-                lora=request.lora,
-            )
-            await self._send(rank, message)
-
     # -- calls -------------------------------------------------------------------------
 
     def _check_not_scaling(self, what: str) -> None:
@@ -714,116 +579,6 @@ class FrontEnd:
         self._check_open()
         if call.errors:
             raise RankCallError("; ".join(call.errors))
-
-    # -- receivers ---------------------------------------------------------------------
-
-    async def receive_outputs(self) -> None:
-        handlers = {
-            m.StepOutputs: self._on_step_outputs,
-            m.UtilityResult: self._on_utility_result,
-            m.RequestsHeld: self._on_held,
-            RankReply: self._weights.on_reply,
-        }
-        async for message in self._core.outputs():
-            if isinstance(message, m.RankFailed):
-                await self._on_rank_failed(message)
-                continue
-            handler = handlers.get(type(message))
-            if handler is not None:
-                handler(message)
-        if not self._closed:
-            self.die(EngineDeadError("every rank closed its output channel"))
-
-    async def receive_state(self) -> None:
-        async for state in self._core.coordinator_states():
-            self._wave = state.wave
-            self._engines_running = state.engines_running
-            size = self._balancer.dp_size  # smaller while a scale down drains
-            if len(state.waiting) >= size:  # fewer: no coordinator of this engine sent it
-                self._balancer.update(
-                    state.waiting[:size], state.running[:size], state.kv_usage[:size]
-                )
-            if len(state.waiting) != self._published_size:
-                self._published_size = len(state.waiting)
-                self._published.set()
-                self._published = anyio.Event()
-
-    async def send_outbox(self) -> None:
-        while True:
-            await self._outbox_ready.wait()
-            self._outbox_ready = anyio.Event()
-            async with self._send_lock:
-                await self._send_posted()
-
-    async def _send(self, rank: int, message: Any) -> None:
-        async with self._send_lock:
-            await self._send_posted()
-            await self._core.send(rank, message)
-
-    async def _send_posted(self) -> None:
-        while self._outbox:
-            rank, message = self._outbox.popleft()
-            await self._core.send(rank, message)
-
-    def _post(self, rank: int, message: Any) -> None:
-        self._outbox.append((rank, message))
-        self._outbox_ready.set()
-
-    def _on_step_outputs(self, message: m.StepOutputs) -> None:
-        if message.iterations:
-            self._iterations.add(message.rank, message.iterations)
-        logprobs = {entry.request_id: entry.entries for entry in message.logprobs}
-        finished = message.finished
-        errors = message.errors
-        token_ids = message.token_ids
-        version = self._weights.version_of(message.rank)
-        position = 0
-        for request_id, count in zip(message.request_ids, message.token_counts, strict=True):
-            new_tokens = token_ids[position : position + count]
-            position += count
-            stream = self._streams.get(request_id)
-            if stream is None:
-                continue
-            if self._held:
-                self._held.pop(request_id, None)
-            error = errors.get(request_id)
-            if error is not None:  # its grammar failed on the rank
-                stream.end_with_error(error)
-                self._finished(request_id)
-                continue
-            update = _request_update(
-                stream.request_id,  # the caller's (a request sent again travels under another)
-                new_tokens,
-                finished.get(request_id),
-                logprobs.get(request_id, ()),
-            )
-            if stream.process(update, version):
-                self._post(self._owner[request_id], m.StopRequests(request_ids=(request_id,)))
-            if stream.finished:
-                self._finished(request_id)
-
-    def _on_utility_result(self, message: m.UtilityResult) -> None:
-        call = self._calls.get(message.call_id)
-        if call is None:
-            return
-        call.pending -= 1
-        call.answered.add(message.rank)
-        if message.error is not None:
-            call.errors.append(f"rank {message.rank}: {message.error}")
-        if message.stats is not None:
-            call.stats.append(message.stats)
-        if call.pending <= 0:
-            del self._calls[message.call_id]
-            call.done.set()
-
-    def _on_held(self, message: m.RequestsHeld) -> None:
-        for request_id in message.request_ids:
-            if request_id in self._streams:
-                self._held[request_id] = f"rank {message.rank} is {message.reason}"
-
-    async def _on_rank_failed(self, message: m.RankFailed) -> None:
-        error = EngineDeadError(message.error)
-        self.die(await self._core.root_cause(error, in_collective=message.in_collective))
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -899,28 +654,6 @@ def _check_version(version: object) -> None:
 
 def _utility(call_id: int, method: str, **arguments: Any) -> m.UtilityCall:
     return m.UtilityCall(call_id=call_id, method=method, **arguments)
-
-
-def _request_update(
-    request_id: str,
-    new_tokens: tuple[int, ...],
-    finish_reason: str | None,
-    logprobs: tuple[tuple[int, float, tuple[tuple[int, float], ...]], ...],
-) -> RequestUpdate:
-    sampled = (
-        tuple(
-            SampledToken(request_id=request_id, token_id=token, logprob=logprob, top_logprobs=top)
-            for token, logprob, top in logprobs
-        )
-        if logprobs
-        else ()
-    )
-    return RequestUpdate(
-        request_id=request_id,
-        new_token_ids=new_tokens,
-        sampled=sampled,
-        finish_reason=None if finish_reason is None else FinishReason(finish_reason),
-    )
 
 
 @asynccontextmanager
