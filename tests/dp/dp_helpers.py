@@ -232,3 +232,15 @@ class SteadyLoad:
         target = len(self.finished) + count
         while len(self.finished) < target:
             await self._finished_one.wait()
+
+
+class FakeRankProcess:
+    """A rank process as the DP client sees it, for unit tests of the client: alive
+    until the test sets its `exitcode`."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()  # a running process, so never seen as stopped
+        self.exitcode: int | None = None
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None

@@ -4,12 +4,12 @@ failure with no cause, which ends the engine."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import anyio
 import anyio.lowlevel
 import pytest
+from dp_helpers import FakeRankProcess
 
 from wavecore.engine import messages as m
 from wavecore.engine.config import EngineConfig
@@ -21,33 +21,24 @@ pytestmark = pytest.mark.anyio
 HANG_GUARD = 30  # seconds; only ever reached if the client hangs
 
 
-class _Process:
-    def __init__(self) -> None:
-        self.pid = os.getpid()  # a running process, so never seen as stopped
-        self.exitcode: int | None = None
-
-    def is_alive(self) -> bool:
-        return self.exitcode is None
-
-
 @dataclass
 class _Wiring:
     """Processes by name ("rank N", N the current number) and members by number."""
 
     members: list[int] = field(default_factory=lambda: [0, 1, 2])
-    by_member: dict[int, _Process] = field(
-        default_factory=lambda: {r: _Process() for r in range(3)}
+    by_member: dict[int, FakeRankProcess] = field(
+        default_factory=lambda: {r: FakeRankProcess() for r in range(3)}
     )
 
     @property
-    def processes(self) -> dict[str, _Process]:
+    def processes(self) -> dict[str, FakeRankProcess]:
         return {f"rank {n}": self.by_member[member] for n, member in enumerate(self.members)}
 
     @property
     def dp_size(self) -> int:
         return len(self.members)
 
-    def member_of(self, process: _Process) -> int | None:
+    def member_of(self, process: FakeRankProcess) -> int | None:
         return next((m for m in self.members if self.by_member[m] is process), None)
 
     def number_of(self, member: int) -> int | None:

@@ -3,11 +3,11 @@ the failing rank's report (a broken collective) arrives before the peer can be r
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import anyio
 import pytest
+from dp_helpers import FakeRankProcess
 
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.dp import client as dp_client
@@ -19,21 +19,10 @@ HANG_GUARD = 30  # seconds; only ever reached if root_cause hangs
 FAILURE = EngineDeadError("rank 0 (pid 1) failed: RuntimeError: Connection reset by peer")
 
 
-class _Process:
-    """A rank process as the client sees it: alive until the test kills it."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()  # a running process, so never seen as stopped
-        self.exitcode: int | None = None
-
-    def is_alive(self) -> bool:
-        return self.exitcode is None
-
-
 @dataclass
 class _Wiring:
-    processes: dict[str, _Process] = field(
-        default_factory=lambda: {"rank 0": _Process(), "rank 1": _Process()}
+    processes: dict[str, FakeRankProcess] = field(
+        default_factory=lambda: {"rank 0": FakeRankProcess(), "rank 1": FakeRankProcess()}
     )
     members: list[int] = field(default_factory=lambda: [0, 1])
 
