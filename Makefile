@@ -39,7 +39,7 @@ check-protocol: $(STAMP)
 
 # Random rank kills and stops under load with on_rank_failure="shrink": SOAK_SEEDS seeds
 # per DP mode (`make test` runs two); then every test marked `soak` (longer variations of
-# tests that `make test` runs in one or two cases).
+# tests that `make test` runs in one or two cases, and the benchmarks' smoke runs).
 soak: SOAK_SEEDS ?= 50
 soak: $(STAMP)
 	SOAK_SEEDS=$(SOAK_SEEDS) $(BIN)/python -m pytest tests/dp/test_dp_rank_loss.py -k random -q

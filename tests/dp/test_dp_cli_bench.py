@@ -40,6 +40,7 @@ def test_generate_refuses_a_bad_dp_size(capsys: pytest.CaptureFixture[str]) -> N
     assert "dp_size" in capsys.readouterr().err
 
 
+@pytest.mark.soak  # bench smoke runs are in `make soak` (make test's time budget)
 def test_dp_benchmark_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
     output = tmp_path / "dp.json"
     subprocess.run(

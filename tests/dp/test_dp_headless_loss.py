@@ -116,6 +116,7 @@ async def test_a_dropped_headless_rank_that_comes_back_is_ignored_and_exits() ->
             assert engine.dp_size == 2
 
 
+@pytest.mark.soak  # test_dp_heartbeat names a silent headless rank in make test
 async def test_a_killed_headless_rank_is_named_as_the_cause_when_the_engine_fails() -> None:
     """With "fail", rank 0's broken collective shows first ("connection reset" or the
     like); the error every caller sees names rank 1's silence, the cause, because the

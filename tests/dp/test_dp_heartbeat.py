@@ -91,7 +91,8 @@ def build_slow_core(config: EngineConfig) -> EngineCore:
     return core
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+# trio's case runs in `make soak` (make test's time budget).
+@pytest.mark.parametrize("anyio_backend", ["asyncio", pytest.param("trio", marks=pytest.mark.soak)])
 async def test_a_stopped_rank_in_independent_mode_is_named_and_dropped(
     anyio_backend: str,
 ) -> None:

@@ -215,6 +215,7 @@ def test_generate_refuses_a_bad_scale_at(bad: str, capsys: pytest.CaptureFixture
     assert "REQS:SIZE" in capsys.readouterr().err
 
 
+@pytest.mark.soak  # bench smoke runs are in `make soak` (make test's time budget)
 def test_scale_benchmark_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
     output = tmp_path / "scale.json"
     script = Path(__file__).resolve().parents[2] / "bench" / "scale.py"

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "model.py"
 
 
+@pytest.mark.soak  # bench smoke runs are in `make soak` (make test's time budget)
 def test_quick_bench_writes_results(tiny_hf_dir: Path, tmp_path: Path) -> None:
     output = tmp_path / "model.json"
     completed = subprocess.run(

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.soak  # bench smoke runs are in `make soak` (make test's time budget)
 def test_serve_benchmark_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
     output = tmp_path / "serve.json"
     subprocess.run(
