@@ -8,7 +8,8 @@ Theory of operation:
    channel fails the check on every other.
 2. A `FrameSigner` is one end of one channel. `sign` puts a header in front of the
    frame: this end's sender id (8 random bytes, new for every signer), a counter that
-   grows by one per frame, and a BLAKE2b MAC (16 bytes) over the header and the frame.
+   grows by one per frame, and a BLAKE2b MAC (16 bytes) over the header, the frame and
+   what travels beside it in clear (a PUB frame's topic, which SUB filters on).
 3. `verify` checks the MAC first (in constant time) and decodes nothing of a frame
    that fails it; then the counter, which must be above the last one accepted from
    that sender id: a frame replayed, or delivered twice, is refused. Each receiving end
@@ -107,26 +108,30 @@ class FrameSigner:
         self._counter = 0
         self._last_seen: OrderedDict[bytes, int] = OrderedDict()
 
-    def _mac(self, header: bytes, frame: bytes | memoryview) -> bytes:
+    def _mac(self, header: bytes, beside: bytes, frame: bytes | memoryview) -> bytes:
         mac = hashlib.blake2b(key=self._key, digest_size=_MAC_SIZE)
         mac.update(header)
+        mac.update(len(beside).to_bytes(4, "big"))
+        mac.update(beside)
         mac.update(frame)
         return mac.digest()
 
-    def sign(self, frame: bytes) -> bytes:
+    def sign(self, frame: bytes, beside: bytes = b"") -> bytes:
+        """`frame` signed, the MAC covering `beside` too (a topic sent in clear)."""
         self._counter += 1
         header = self._sender + self._counter.to_bytes(_COUNTER_SIZE, "big")
-        return header + self._mac(header, frame) + frame
+        return header + self._mac(header, beside, frame) + frame
 
-    def verify(self, signed: bytes) -> bytes:
-        """The frame inside `signed`; raises `DecodeError` (rule 4) when it fails."""
+    def verify(self, signed: bytes, beside: bytes = b"") -> bytes:
+        """The frame inside `signed` (with `beside` as it was signed); raises
+        `DecodeError` (rule 4) when it fails."""
         if len(signed) < SIGNATURE_SIZE:
             raise DecodeError(f"an unauthenticated frame ({len(signed)} bytes, no signature)")
         view = memoryview(signed)
         header = bytes(view[: _ID_SIZE + _COUNTER_SIZE])
         frame = view[SIGNATURE_SIZE:]
         mac = bytes(view[_ID_SIZE + _COUNTER_SIZE : SIGNATURE_SIZE])
-        if not hmac.compare_digest(mac, self._mac(header, frame)):
+        if not hmac.compare_digest(mac, self._mac(header, beside, frame)):
             raise DecodeError("a frame that failed authentication (wrong key or altered)")
         sender, counter = header[:_ID_SIZE], int.from_bytes(header[_ID_SIZE:], "big")
         last = self._last_seen.get(sender, 0)

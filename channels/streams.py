@@ -124,17 +124,19 @@ class _FrameReader:
 
     def _accept(self, frame: bytes, pipe: int) -> None:
         topic = ""
+        raw_topic = b""
         if self._topics:
             cut = frame.find(TOPIC_SEPARATOR)
             if cut < 0:
                 raise DecodeError("PUB frame without a topic separator")
+            raw_topic = frame[:cut]
             try:
-                topic = frame[:cut].decode()
+                topic = raw_topic.decode()
             except UnicodeDecodeError:
                 raise DecodeError("PUB frame topic is not UTF-8") from None
             frame = frame[cut + 1 :]
         if self._signer is not None:
-            frame = self._signer.verify(frame)
+            frame = self._signer.verify(frame, raw_topic)
         if self._request_reply:
             message = self._codec.decode(frame)
             if type(message) is EndOfStream:
@@ -272,7 +274,7 @@ class MessageSender(anyio.abc.ObjectSendStream[Any]):
 
     async def _send_now(self, topic: str, frame: bytes) -> None:
         if self._signer is not None:
-            frame = self._signer.sign(frame)
+            frame = self._signer.sign(frame, topic.encode())
         if self._topics:
             frame = topic.encode() + TOPIC_SEPARATOR + frame
         await self._io.send(frame)

@@ -184,3 +184,13 @@ async def test_signed_pub_sub_and_request_reply() -> None:
             assert await rep.receive() == Ping(value=1)
             await rep.send(Ping(value=2))
             assert await req.receive() == Ping(value=2)
+
+
+def test_what_travels_beside_a_frame_is_covered_by_its_signature() -> None:
+    """A PUB frame's topic travels in clear (SUB filters on it): a frame moved to
+    another topic fails authentication."""
+    sender, receiver = KEY.signer("p"), KEY.signer("p")
+    signed = sender.sign(b"wave 3", b"wave")
+    with pytest.raises(DecodeError, match="failed authentication"):
+        receiver.verify(signed, b"state")
+    assert receiver.verify(signed, b"wave") == b"wave 3"
