@@ -1,4 +1,5 @@
-"""Speculative decoding (prompt lookup) against plain decoding, same model, same run.
+"""Speculative decoding (prompt lookup, or a draft model) against plain decoding, same
+model, same run.
 
 Workloads, greedy, chat template: input-grounded ones (rewrite a code snippet with one
 change; extract fields of a text into JSON, with the schema as structured output;
@@ -9,7 +10,13 @@ same time); each figure is the median of the rounds. The outputs must be identic
 (greedy) but where float32 rounding decides a near-tie: the bench says whether they
 were.
 
+`--method draft_model` drafts with `--draft-model` (default: the shipped model itself,
+the only one of its tokenizer here, so this measures the mechanism's cost and an
+acceptance of 100%; `--draft-weights int8` drafts with its int8 copy). The speculative
+engine then has an executor of its own, the draft attached.
+
 Usage: python bench/speculative.py [--quick] [--rounds N] [--k K]
+       [--method ngram|draft_model] [--draft-model PATH] [--draft-weights W]
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from wavecore.engine.request import EngineRequest
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.structured_outputs import StructuredOutputs
 
-RESULTS = Path(__file__).resolve().parent / "results" / "speculative.json"
+RESULTS = Path(__file__).resolve().parent / "results"
 CODE = '''def moving_average(values, window):
     """The mean of each run of `window` consecutive values."""
     if window <= 0:
@@ -124,6 +131,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round, 64 tokens, batch 8")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
+    parser.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
+    parser.add_argument("--draft-model", help="default: the shipped model")
+    parser.add_argument("--draft-weights", choices=["auto", "float32", "int8"], default="float32")
     args = parser.parse_args()
     rounds = 1 if args.quick else args.rounds
     max_tokens = 64 if args.quick else 200
@@ -133,14 +143,28 @@ def main() -> None:
         device="cpu", dtype="float32", max_num_seqs=64, enable_prefix_caching=False
     )
     plain = EngineCore.from_config(config)
-    speculative = EngineCore(
-        executor=plain.executor,
-        tokenizer=plain.tokenizer,
-        config=dataclasses.replace(
-            config, speculative_method="ngram", num_speculative_tokens=args.k
-        ),
-        eos_token_id=plain.executor.source.eos_token_id,
+    spec_config = dataclasses.replace(
+        config, speculative_method="ngram", num_speculative_tokens=args.k
     )
+    if args.method == "draft_model":
+        draft = args.draft_model or str(plain.executor.source.path)
+        speculative = EngineCore.from_config(
+            dataclasses.replace(
+                spec_config,
+                speculative_method="draft_model",
+                draft_model=draft,
+                draft_weights=args.draft_weights,
+            )
+        )
+        method = f"draft model {Path(draft).name} ({args.draft_weights})"
+    else:
+        speculative = EngineCore(
+            executor=plain.executor,
+            tokenizer=plain.tokenizer,
+            config=spec_config,
+            eos_token_id=plain.executor.source.eos_token_id,
+        )
+        method = "ngram"
     machine = describe()
     cases: dict[str, tuple[list[tuple[int, ...]], list[SamplingParams]]] = {}
     for name, (ask, spec) in WORKLOADS.items():
@@ -155,7 +179,7 @@ def main() -> None:
     timed(plain, cases["open chat, batch 1"][0], cases["open chat, batch 1"][1])  # warm up
     rows: list[dict[str, Any]] = []
     print(
-        f"Speculative decoding (ngram, k={args.k}) against plain, greedy ({machine['cpu']}, {machine['cpus']} CPUs)"
+        f"Speculative decoding ({method}, k={args.k}) against plain, greedy ({machine['cpu']}, {machine['cpus']} CPUs)"
     )
     print(f"{'workload':<24} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'accepted':>8} {'per draft':>9} same")  # fmt: skip
     for name, (prompts, params) in cases.items():
@@ -191,10 +215,14 @@ def main() -> None:
             f"{row['acceptance_rate']:>8.2f} {row['accepted_per_draft']:>9.2f} "
             f"{'yes' if identical else 'no'}"
         )
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": machine, "k": args.k, "rows": rows}, indent=2) + "\n")
-    print(f"\nwrote {RESULTS}")
+    results = RESULTS / ("speculative.json" if args.method == "ngram" else "speculative_draft.json")
+    results.parent.mkdir(exist_ok=True)
+    report = {"machine": machine, "method": method, "k": args.k, "rows": rows}
+    results.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {results}")
     plain.close()
+    if speculative.executor is not plain.executor:
+        speculative.close()
 
 
 if __name__ == "__main__":

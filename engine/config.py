@@ -99,6 +99,11 @@ class EngineConfig:
     `num_speculative_tokens` drafts per decode, from the request's own earlier tokens
     (n-grams of `prompt_lookup_min` to `prompt_lookup_max` tokens), verified in one
     forward; outputs are those of plain decoding (`engine/scheduler/speculative.py`).
+    `speculative_method="draft_model"` takes the drafts from `draft_model` (a path, as
+    `model`): a smaller model of the same vocabulary, loaded beside the target on
+    every rank with weights `draft_weights`, proposing greedily right after each step
+    on a KV cache of its own (`engine/model/draft_model.py`); with the null executor
+    no path is given (it drafts its own tokens, a few wrong on purpose).
     Drafts are added only while a step holds at most `speculative_token_budget` tokens.
     With the batch queue, a request whose drafts are being verified sits out the step
     scheduled meanwhile (`engine/core/batch_queue.py`, rule 7).
@@ -129,6 +134,8 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_token_budget: int = 16
+    draft_model: str | None = None
+    draft_weights: Weights = "auto"
     seed: int = 0
     dp_size: int = 1
     dp_mode: DPMode = "lockstep"
@@ -162,6 +169,27 @@ class EngineConfig:
             prompt_lookup_max=self.prompt_lookup_max,
             token_budget=self.speculative_token_budget,
         )
+
+    def _check_draft_model(self) -> None:
+        draft = self.draft_model
+        if draft is not None and (not isinstance(draft, str) or not draft):
+            raise ValueError(f"EngineConfig.draft_model must be a path or None, got {draft!r}")
+        if self.speculative_method == "draft_model":
+            if draft is None and self.executor == "model":
+                raise ValueError(
+                    "EngineConfig.speculative_method='draft_model' needs draft_model: the "
+                    "path of a smaller model with the same vocabulary"
+                )
+        elif draft is not None:
+            raise ValueError(
+                "EngineConfig.draft_model is used only with speculative_method='draft_model', "
+                f"got speculative_method={self.speculative_method!r}"
+            )
+        if self.draft_weights not in ("auto", "float32", "int8"):
+            raise ValueError(
+                "EngineConfig.draft_weights must be 'auto', 'float32' or 'int8', "
+                f"got {self.draft_weights!r}"
+            )
 
     def __post_init__(self) -> None:
         if self.executor not in ("model", "null"):
@@ -217,6 +245,7 @@ class EngineConfig:
             self.speculative  # noqa: B018 - built to check its settings
         except ValueError as error:
             raise ValueError(f"EngineConfig.{error}") from None
+        self._check_draft_model()
         memory = self.kv_cache_memory
         if isinstance(memory, bool) or not isinstance(memory, int | float) or memory <= 0:
             raise ValueError(f"EngineConfig.kv_cache_memory must be positive, got {memory!r}")

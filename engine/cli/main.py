@@ -62,6 +62,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             num_speculative_tokens=args.num_speculative_tokens,
             prompt_lookup_min=args.prompt_lookup_min,
             prompt_lookup_max=args.prompt_lookup_max,
+            draft_model=args.draft_model,
+            draft_weights=args.draft_weights,
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_timeout=args.heartbeat_timeout,
             restart_ranks=getattr(args, "restart_ranks", False),
@@ -439,10 +441,23 @@ def _add_rank_behaviour_flags(group: argparse._ActionsContainer) -> None:
     )
     group.add_argument(
         "--speculative-method",
-        choices=["ngram"],
-        help="speculative decoding: 'ngram' drafts from the request's own earlier tokens",
+        choices=["ngram", "draft_model"],
+        help="speculative decoding: 'ngram' drafts from the request's own earlier tokens, "
+        "'draft_model' from --draft-model",
     )
     group.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K")
+    group.add_argument(
+        "--draft-model",
+        metavar="PATH",
+        help="a smaller model with the same tokenizer (GGUF file or Hugging Face directory) "
+        "that drafts for --speculative-method draft_model",
+    )
+    group.add_argument(
+        "--draft-weights",
+        choices=["auto", "float32", "int8"],
+        default="auto",
+        help="how the draft model's projections are held (as --weights)",
+    )
     group.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N")
     group.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N")
     group.add_argument(

@@ -36,7 +36,8 @@ Theory of operation:
 7. Speculative decoding: drafts follow known tokens, and how many of a step's drafts
    are kept decides where a request's next token goes, so a request that drafts
    alternates: it verifies drafts in one step and sits out the step ahead, scheduled
-   before they are known (the scheduler decides, while its drafts are accepted).
+   before they are known (the scheduler decides, while its drafts are accepted, or,
+   with a draft model, when the draft model was asked to propose after its sample).
    Requests without drafts decode in every step, as in rule 2. Outputs are those of
    the serial loop.
 8. Every other input takes effect from the next step scheduled after it, which under

@@ -102,6 +102,20 @@ class EngineCore:
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
         )
+        if config.speculative_method == "draft_model" and config.draft_model is not None:
+            from wavecore.engine.model.draft_model import DraftModel
+
+            try:
+                draft = DraftModel.load(
+                    config.draft_model,
+                    target=executor,
+                    weights=config.draft_weights,
+                    dtype=config.dtype,
+                )
+            except BaseException:
+                executor.close()
+                raise
+            executor.attach_draft(draft)
         source = executor.source
         tokenizer = Tokenizer.from_source(source)
         return cls(

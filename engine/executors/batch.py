@@ -7,8 +7,8 @@ process, so token lists are shared by reference, never copied per step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -36,6 +36,11 @@ class SequenceChunk:
     `1 + num_draft_tokens` positions, each as plain decoding would with the drafts
     before it as history (`sampling_rows`).
 
+    `num_lookahead_tokens` (speculative decoding with a draft model, on a sampling
+    chunk): how many drafts the executor proposes after sampling it, for the tokens
+    that follow what the chunk's samples emit (the drafts accepted, then the token
+    sampled after them). The block table covers that many positions past the chunk.
+
     `lora` names the LoRA adapter the request runs under (None: the base model); the
     executor holds the adapter (`Executor` implementations without adapters refuse it).
     """
@@ -49,6 +54,7 @@ class SequenceChunk:
     all_token_ids: Sequence[int]
     prompt_len: int
     num_draft_tokens: int = 0
+    num_lookahead_tokens: int = 0
     lora: str | None = None
 
     @property
@@ -112,9 +118,22 @@ def sampling_rows(chunks: Sequence[SequenceChunk]) -> list[SequenceChunk]:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelOutput:
-    """One `SampledToken` per sampling row (`sampling_rows`), in batch order."""
+    """One `SampledToken` per sampling row (`sampling_rows`), in batch order, and the
+    drafts proposed for chunks that asked for them (`num_lookahead_tokens`), by request
+    id (none when nothing could be proposed)."""
 
     sampled: tuple[SampledToken, ...]
+    draft_token_ids: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def accepted_drafts(drafts: Sequence[int], samples: Sequence[SampledToken]) -> int:
+    """How many of a decode's drafts are accepted: those up to the first that differs
+    from the token sampled before it. The scheduler emits them and the sample after
+    them; a draft model continues from there."""
+    accepted = 0
+    while accepted < len(drafts) and samples[accepted].token_id == drafts[accepted]:
+        accepted += 1
+    return accepted
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -21,6 +21,11 @@ With `repeat_period=p` the position in that rule is taken modulo p, so a request
 output falls into cycles, as a real model's copying from its input does: what
 speculative decoding's prompt lookup is for (its tests use it).
 
+Asked for drafts (a sampling chunk's `num_lookahead_tokens`, speculative decoding
+with `speculative_method="draft_model"`), it proposes what it would sample next,
+greedy as a draft model is, except that a draft for a position divisible by
+`DRAFT_MISS_PERIOD` is one token off: verification then both accepts and rejects.
+
 With `step_seconds=t` every `execute` lasts `t` seconds: it sleeps what its own work
 left of them, releasing the GIL as a GPU's forward would. A stand-in for a model whose
 step takes a fixed time, to measure what the engine's Python costs around it
@@ -34,7 +39,7 @@ weights or the KV cache are asleep raises `ExecutorAsleepError`, and anything af
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,7 +51,9 @@ from wavecore.engine.executors.batch import (
     GrammarBitmask,
     ModelBatch,
     ModelOutput,
+    SampledToken,
     SequenceChunk,
+    accepted_drafts,
     sampling_rows,
 )
 from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosedError
@@ -56,6 +63,8 @@ from wavecore.engine.scheduler.fast_build import build_sampled
 
 # `token_shift`, one float32.
 _TOKEN_SHIFT_BYTES = 4
+# One draft position in this many gets a wrong draft (see the module docstring).
+DRAFT_MISS_PERIOD = 5
 
 
 def _first_allowed(words: np.ndarray, token: int, vocab_size: int) -> int:
@@ -177,9 +186,11 @@ class NullExecutor:
     def next_token(self, chunk: SequenceChunk) -> int:
         """The token this executor samples after `chunk`, one of `sampling_rows`: it
         follows the last token of the chunk's history, at the history's length."""
-        if self.eos_at_output is not None and chunk.num_output_tokens == self.eos_at_output:
+        return self._next_after(chunk.all_token_ids, chunk.prompt_len)
+
+    def _next_after(self, history: Sequence[int], prompt_len: int) -> int:
+        if self.eos_at_output is not None and len(history) - prompt_len == self.eos_at_output:
             return self.eos_token_id  # type: ignore[return-value]
-        history = chunk.all_token_ids
         position = len(history) % self.repeat_period if self.repeat_period else len(history)
         token = null_next_token(history[-1], position, self.vocab_size, self._token_shift)
         return _past_eos(token, self.vocab_size, self.eos_token_id)
@@ -238,7 +249,35 @@ class NullExecutor:
             for row, words in zip(bitmask.rows, bitmask.words, strict=True):
                 token = _first_allowed(words, sampled[row].token_id, vocab_size)
                 sampled[row] = build_sampled(sampled[row].request_id, token)
-        return ModelOutput(sampled=tuple(sampled))
+        drafts = self._drafts(forward.chunks, sampled)
+        return ModelOutput(sampled=tuple(sampled), draft_token_ids=drafts)
+
+    def _drafts(
+        self, chunks: Sequence[SequenceChunk], sampled: Sequence[SampledToken]
+    ) -> dict[str, tuple[int, ...]]:
+        """The drafts chunks asked for (module docstring): what this executor would
+        sample after each chunk's emitted tokens, a few of them wrong on purpose."""
+        proposals: dict[str, tuple[int, ...]] = {}
+        row = 0
+        for chunk in chunks:
+            if not chunk.sample:
+                continue
+            samples = sampled[row : row + chunk.num_samples]
+            row += chunk.num_samples
+            if not chunk.num_lookahead_tokens:
+                continue
+            drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :]
+            accepted = accepted_drafts(drafts, samples)
+            history = [*chunk.all_token_ids, *drafts[:accepted], samples[accepted].token_id]
+            proposed = []
+            for _ in range(chunk.num_lookahead_tokens):
+                token = self._next_after(history, chunk.prompt_len)
+                if len(history) % DRAFT_MISS_PERIOD == 0:
+                    token = (token + 1) % self.vocab_size
+                proposed.append(token)
+                history.append(token)
+            proposals[chunk.request_id] = tuple(proposed)
+        return proposals
 
     def execute_dummy(self) -> None:
         self._check_awake("execute_dummy")

@@ -72,6 +72,25 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
 
 
+class Drafter(Protocol):
+    """A draft model beside this executor (`draft_model.DraftModel`): it follows each
+    sampled step, and proposes what the step's chunks ask for."""
+
+    def follow(
+        self, chunks: Sequence[SequenceChunk], sampled: Sequence[SampledToken]
+    ) -> dict[str, tuple[int, ...]]: ...
+
+    def memory(self) -> ExecutorMemory: ...
+
+    def sleep(self, level: int) -> None: ...
+
+    def wake_up(self, tags: frozenset[str]) -> None: ...
+
+    def reset_kv_cache(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class TokenSampler(Protocol):
     def sample(
         self, logits: torch.Tensor, chunks: Sequence[SequenceChunk]
@@ -203,7 +222,14 @@ class ModelExecutor:
             if enable_lora
             else None
         )
+        self._draft: Drafter | None = None
         self._closed = False
+
+    def attach_draft(self, draft: Drafter) -> None:
+        """Speculative decoding with a draft model: `draft` follows every step after its
+        sampling and proposes (`draft_model.py`); it sleeps and wakes with this
+        executor and is closed with it."""
+        self._draft = draft
 
     # -- what the engine reads --------------------------------------------------------
 
@@ -270,13 +296,17 @@ class ModelExecutor:
         if not isinstance(forward, Forward):
             raise TypeError(f"sample_tokens takes what execute_model returned, got {forward!r}")
         sampling = sampling_rows(forward.batch.chunks)
-        if not sampling:
-            return ModelOutput(sampled=())
-        logits = forward.logits
-        with torch.inference_mode():
-            if bitmask is not None:
-                apply_grammar_bitmask(logits, bitmask)  # the logits are this step's own
-            return ModelOutput(sampled=tuple(self._sampler.sample(logits, sampling)))
+        sampled: tuple[SampledToken, ...] = ()
+        if sampling:
+            logits = forward.logits
+            with torch.inference_mode():
+                if bitmask is not None:
+                    apply_grammar_bitmask(logits, bitmask)  # the logits are this step's own
+                sampled = tuple(self._sampler.sample(logits, sampling))
+        if self._draft is None:
+            return ModelOutput(sampled=sampled)
+        drafts = self._draft.follow(forward.batch.chunks, sampled)
+        return ModelOutput(sampled=sampled, draft_token_ids=drafts)
 
     def compute_logits(self, batch: ModelBatch) -> torch.Tensor:
         """One forward pass; float32 logits `[sampling rows, vocab]` in batch order."""
@@ -418,6 +448,8 @@ class ModelExecutor:
             self._model = None
         if level == 2:
             self._offloaded = None
+        if self._draft is not None:
+            self._draft.sleep(level)
         if self._loras is not None:
             self._loras.evict_all()  # the host copies stay: swapped in again when used
         if self._device.type == "cuda":
@@ -439,18 +471,31 @@ class ModelExecutor:
             self._model = LlamaModel(self.config, weights, self._rotary)
         if "kv_cache" in tags and self._cache is None:
             self._cache = self._new_cache()
+        if self._draft is not None:
+            self._draft.wake_up(tags)
 
     def memory(self) -> ExecutorMemory:
-        return ExecutorMemory(
+        """This executor's bytes, a draft model's included."""
+        memory = ExecutorMemory(
             weights=self._model.weights.num_bytes if self._model is not None else 0,
             offloaded_weights=self._offloaded.num_bytes if self._offloaded is not None else 0,
             kv_cache=self._cache.num_bytes if self._cache is not None else 0,
+        )
+        if self._draft is None:
+            return memory
+        draft = self._draft.memory()
+        return ExecutorMemory(
+            weights=memory.weights + draft.weights,
+            offloaded_weights=memory.offloaded_weights + draft.offloaded_weights,
+            kv_cache=memory.kv_cache + draft.kv_cache,
         )
 
     def reset_kv_cache(self) -> None:
         self._check_open()
         if self._cache is not None:
             self._cache.clear()
+        if self._draft is not None:
+            self._draft.reset_kv_cache()
 
     # -- weight updates (`executors.weight_specs.UpdatableExecutor`) ---------------------
 
@@ -513,6 +558,8 @@ class ModelExecutor:
         self._model = LlamaModel(self.config, staged, self._rotary)
 
     def close(self) -> None:
+        if self._draft is not None:
+            self._draft.close()
         self._model = None
         self._offloaded = None
         self._cache = None

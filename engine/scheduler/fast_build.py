@@ -45,6 +45,7 @@ _new = object.__new__
     _chunk_all,
     _chunk_prompt_len,
     _chunk_drafts,
+    _chunk_lookahead,
     _chunk_lora,
 ) = _slot_setters(
     SequenceChunk,
@@ -58,6 +59,7 @@ _new = object.__new__
         "all_token_ids",
         "prompt_len",
         "num_draft_tokens",
+        "num_lookahead_tokens",
         "lora",
     ),
 )
@@ -74,6 +76,7 @@ def build_chunk(
     prompt_len: int,
     num_draft_tokens: int = 0,
     lora: str | None = None,
+    num_lookahead_tokens: int = 0,
 ) -> SequenceChunk:
     chunk = _new(SequenceChunk)
     _chunk_id(chunk, request_id)
@@ -85,6 +88,7 @@ def build_chunk(
     _chunk_all(chunk, all_token_ids)
     _chunk_prompt_len(chunk, prompt_len)
     _chunk_drafts(chunk, num_draft_tokens)
+    _chunk_lookahead(chunk, num_lookahead_tokens)
     _chunk_lora(chunk, lora)
     return chunk
 

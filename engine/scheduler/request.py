@@ -43,12 +43,17 @@ class Request:
     here: a `Grammar`, whose matcher accepts each output token in `update`. `lora`
     names the request's LoRA adapter (None: the base model); `prefix_root` starts its
     prefix-cache hash chain, so that it shares blocks only with requests of its adapter.
+    With a draft model, `draft_token_ids` are the executor's proposals for the tokens
+    after `token_ids` (set by each update that samples it, so they always follow the
+    current tokens), and `drafts_coming` says its last sampling chunk asked for them.
     """
 
     __slots__ = (
         "backoff",
         "block_hashes",
         "block_table",
+        "draft_token_ids",
+        "drafts_coming",
         "grammar",
         "lora",
         "machine",
@@ -86,6 +91,8 @@ class Request:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []
         self.num_computed_tokens = 0
+        self.draft_token_ids: list[int] = []
+        self.drafts_coming = False
         stops = set(sampling.stop_token_ids)
         if eos_token_id is not None and not sampling.ignore_eos:
             stops.add(eos_token_id)

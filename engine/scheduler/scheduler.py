@@ -56,7 +56,13 @@ Theory of operation:
   verified. Drafts follow known tokens only, so a request whose sample is in flight
   leaves the step being scheduled to draft in the next, while the proposer matches its
   tokens and its drafts are accepted (`_sits_out_to_draft`); other requests keep
-  their placeholder decode in every step.
+  their placeholder decode in every step. With a draft model the executor proposes,
+  one step ahead: a sampling chunk asks for k drafts (`num_lookahead_tokens`, while
+  the request is not backing off and the step leaves room for drafts), with blocks
+  added for the KV the draft writes at those positions, taken only while a free
+  block per running request remains (never by preempting); `update()` keeps what
+  comes back (`Request.draft_token_ids`) for the request's next decode, and under
+  async scheduling such a request sits out the step scheduled meanwhile.
 - LoRA adapters (`config.max_loras`): a request names its adapter, or none for the
   base model. The running requests' distinct adapters and the pinned ones are at most
   `max_loras` (the executor's device slots); a waiting request whose adapter would be
@@ -78,6 +84,7 @@ from wavecore.engine.executors.batch import (
     ModelOutput,
     SampledToken,
     SequenceChunk,
+    accepted_drafts,
 )
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.statemachines.rank_events import PauseMode
@@ -139,6 +146,8 @@ class Scheduler:
         self._max_in_flight = 2 if config.async_scheduling else 1
         spec = config.speculative
         self._proposer = NgramProposer(spec) if spec is not None else None
+        # With a draft model the executor proposes: sampling chunks ask it for drafts.
+        self._executor_drafts = spec is not None and spec.executor_proposes
         self.spec_counts = SpecDecodeCounts(spec.num_speculative_tokens if spec else 0)
         self._last_stats = self._snapshot(step=0, num_seqs=0, num_tokens=0, num_preempted=0)
         # Adapters kept resident by `pin_lora`: they hold device slots of their own.
@@ -354,6 +363,9 @@ class Scheduler:
         # Room for drafts: a step's tokens beyond `token_budget` cost their full price.
         spec = config.speculative
         draft_room = spec.token_budget - len(running) if spec is not None else 0
+        # Whether the next step is likely to have room for drafts (a draft model is
+        # asked for them one step ahead).
+        lookahead_wanted = self._executor_drafts and draft_room > 0
         # Popping preempted victims off the end while iterating is safe: the iterator
         # stops at the shortened length, and victims are never already scheduled.
         for request in running:
@@ -368,7 +380,7 @@ class Scheduler:
             if total - computed == 1:  # a decode
                 end = total
                 token_ids = (tokens[-1],)
-                if draft_room > 0 and request.backoff.may_draft():
+                if draft_room > 0 and self._wants_drafts(request):
                     drafts = self._drafts(request, min(draft_room, budget - 1))
                     if drafts:
                         num_drafts = len(drafts)
@@ -404,6 +416,9 @@ class Scheduler:
                 block_manager.append(table, end)
             sample = end - num_drafts == total
             num_sampled += sample
+            lookahead = self._lookahead(request, end) if sample and lookahead_wanted else 0
+            if sample:
+                request.drafts_coming = lookahead > 0
             chunks.append(
                 build_chunk(
                     request.request_id,
@@ -416,6 +431,7 @@ class Scheduler:
                     request.prompt_len,
                     num_drafts,
                     request.lora,
+                    lookahead,
                 )
             )
             requests.append(request)
@@ -423,7 +439,9 @@ class Scheduler:
             budget -= end - computed
 
         if num_preempted == 0 and step % config.prefill_interval == 0:
-            budget, num_sampled = self._admit(chunks, requests, budget, num_sampled)
+            budget, num_sampled = self._admit(
+                chunks, requests, budget, num_sampled, lookahead_wanted
+            )
 
         num_tokens = config.max_num_batched_tokens - budget
         return self._output(
@@ -481,6 +499,8 @@ class Scheduler:
             if update.finish_reason is not None:
                 self._release(request, update.finish_reason)
                 any_finished = True
+            elif self._executor_drafts:  # they follow the tokens just taken
+                request.draft_token_ids = list(output.draft_token_ids.get(request.request_id, ()))
             updates.append(update)
         if any_finished:
             self._running = [r for r in self._running if r.machine.state is _RUNNING]
@@ -529,17 +549,51 @@ class Scheduler:
     def _sits_out_to_draft(self, request: Request) -> bool:
         """Async scheduling: whether `request`, its sample in flight, leaves this step
         to decode with drafts in the next (drafts follow known tokens only): while the
-        proposer matches its tokens so far and it is not backing off. A sit-out that
-        finds no drafts, or drafts all rejected, is a miss that backs it off."""
+        proposer matches its tokens so far and it is not backing off, or the draft
+        model was asked for drafts with that sample. A sit-out that finds no drafts, or
+        drafts all rejected, is a miss that backs it off."""
+        if self._executor_drafts:
+            return request.drafts_coming
         return request.backoff.may_draft() and bool(self._proposer.propose(request.token_ids, 1))
 
+    def _wants_drafts(self, request: Request) -> bool:
+        """Whether a decode of `request` looks for drafts: prompt lookup while it is not
+        backing off; a draft model's when its last sampling chunk asked for them."""
+        if self._executor_drafts:
+            return request.drafts_coming
+        return request.backoff.may_draft()
+
+    def _lookahead(self, request: Request, end: int) -> int:
+        """Drafts the draft model is to propose after a sampling chunk of `request`
+        ending at `end` (0 while it backs off): k, cut to what its length allows and to
+        the blocks that can be added for them while a block per running request stays
+        free, so drafting never costs a decode its block. The blocks are added now: the
+        draft model writes its KV there."""
+        if not request.backoff.may_draft():
+            return 0
+        count = min(self.config.speculative.num_speculative_tokens, request.max_len - end - 1)
+        table = request.block_table
+        block_manager = self.block_manager
+        spare = block_manager.num_free_blocks - len(self._running)
+        while count > 0 and block_manager.blocks_needed(end + count) - len(table) > spare:
+            count -= 1
+        if count <= 0:
+            return 0
+        block_manager.append(table, end + count)
+        return count
+
     def _drafts(self, request: Request, room: int) -> list[int]:
-        """Drafts for a decode of `request`: proposed, then cut to `room`, to what its
-        length allows, to what its grammar accepts and to the blocks free now."""
+        """Drafts for a decode of `request`: proposed (or taken from the draft model),
+        then cut to `room`, to what its length allows, to what its grammar accepts and
+        to the blocks free now."""
         spec = self.config.speculative
         tokens = request.token_ids
         count = min(spec.num_speculative_tokens, room, request.max_len - len(tokens) - 1)
-        drafts = self._proposer.propose(tokens, count) if count > 0 else []
+        if self._executor_drafts:
+            drafts = request.draft_token_ids[: max(count, 0)]
+            request.draft_token_ids = []
+        else:
+            drafts = self._proposer.propose(tokens, count) if count > 0 else []
         if drafts and request.grammar is not None:
             del drafts[request.grammar.valid_prefix(drafts) :]
         table = request.block_table
@@ -553,15 +607,18 @@ class Scheduler:
         """The samples a decode with drafts emits: each draft that equals the token
         sampled before it, then the first sampled token that differs (or the last)."""
         drafts = chunk.token_ids[1:]
-        accepted = 0
-        while accepted < len(drafts) and samples[accepted].token_id == drafts[accepted]:
-            accepted += 1
+        accepted = accepted_drafts(drafts, samples)
         request.backoff.verified(accepted)
         self.spec_counts.record(len(drafts), accepted)
         return samples[: accepted + 1]
 
     def _admit(
-        self, chunks: list[SequenceChunk], requests: list[Request], budget: int, num_sampled: int
+        self,
+        chunks: list[SequenceChunk],
+        requests: list[Request],
+        budget: int,
+        num_sampled: int,
+        lookahead_wanted: bool,
     ) -> tuple[int, int]:
         """Admit waiting requests with prefill chunks while budget, seats and blocks last."""
         waiting = self._waiting
@@ -604,6 +661,8 @@ class Scheduler:
                 slots.add(lora)
             sample = end == total
             num_sampled += sample
+            lookahead = self._lookahead(request, end) if sample and lookahead_wanted else 0
+            request.drafts_coming = lookahead > 0
             chunks.append(
                 build_chunk(
                     request.request_id,
@@ -616,6 +675,7 @@ class Scheduler:
                     request.prompt_len,
                     0,
                     request.lora,
+                    lookahead,
                 )
             )
             requests.append(request)

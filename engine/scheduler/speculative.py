@@ -2,12 +2,17 @@
 
 Theory of operation:
 
-1. Proposals (`NgramProposer`, prompt lookup): the longest suffix of a request's tokens,
-   `prompt_lookup_max` down to `prompt_lookup_min` tokens long, is looked up in its
-   earlier tokens (prompt and output); the up to k tokens that followed its latest
-   earlier occurrence are the drafts. Nothing matches, nothing is proposed. The search
-   runs on the tokens packed as bytes (`bytes.rfind`, C speed), a few microseconds for
-   a few thousand tokens.
+1. Proposals. "ngram" (`NgramProposer`, prompt lookup): the longest suffix of a
+   request's tokens, `prompt_lookup_max` down to `prompt_lookup_min` tokens long, is
+   looked up in its earlier tokens (prompt and output); the up to k tokens that
+   followed its latest earlier occurrence are the drafts. Nothing matches, nothing is
+   proposed. The search runs on the tokens packed as bytes (`bytes.rfind`, C speed), a
+   few microseconds for a few thousand tokens. "draft_model": the executor proposes,
+   right after it samples a step (a smaller model of the same vocabulary, greedy, on a
+   KV cache of its own addressed by the same block tables: `engine/model/
+   draft_model.py`). The scheduler asks for them by giving a sampling chunk
+   `num_lookahead_tokens` (k, within the blocks it can add for them without
+   preempting anyone) and uses what comes back in the request's next decode.
 2. Verification (the executor and `Scheduler.update`): a decode with k drafts runs its
    last token and the k drafts in one forward and samples every one of the k + 1
    positions as plain decoding would there, with the drafts before it taken as the
@@ -16,7 +21,10 @@ Theory of operation:
    them. Each emitted token is therefore exactly the token plain decoding samples at
    its position: greedy outputs are identical, a seeded request's too, and an
    unseeded one's tokens follow exactly the target distribution (the sample at each
-   position is drawn from it, whatever the draft was).
+   position is drawn from it, whatever the draft was). This is rejection sampling
+   (Leviathan et al.) for a draft that is one token with certainty, as both
+   proposers' drafts are: accepting draft x with probability p(x), else drawing from
+   p without x, emits exactly what drawing from p and comparing emits.
 3. The KV of rejected drafts is never used: `num_computed_tokens` falls back to the
    accepted tokens, their slots are overwritten later, and only blocks of accepted
    tokens reach the prefix cache.
@@ -33,7 +41,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 _WIDTH = array("i").itemsize
 _MAX_SPECULATIVE_TOKENS = 16
 _MAX_BACKOFF = 64
@@ -41,8 +49,8 @@ _MAX_BACKOFF = 64
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SpeculativeConfig:
-    """`method` "ngram" (prompt lookup); `num_speculative_tokens` drafts per decode at
-    most; the n-gram sizes looked up; `token_budget` caps a step's scheduled tokens
+    """`method` "ngram" (prompt lookup) or "draft_model" (the executor's draft model,
+    rule 1); `num_speculative_tokens` drafts per decode at most; the n-gram sizes looked up; `token_budget` caps a step's scheduled tokens
     beyond which no drafts are added (rule 4)."""
 
     method: str = "ngram"
@@ -54,8 +62,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(
-                f"speculative_method must be one of {list(METHODS)} or None, got "
-                f"{self.method!r} (a draft model is not supported yet)"
+                f"speculative_method must be one of {list(METHODS)} or None, got {self.method!r}"
             )
         _check_int(
             "num_speculative_tokens", self.num_speculative_tokens, 1, _MAX_SPECULATIVE_TOKENS
@@ -68,6 +75,12 @@ class SpeculativeConfig:
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
             )
         _check_int("speculative_token_budget", self.token_budget, 2, 1 << 20)
+
+    @property
+    def executor_proposes(self) -> bool:
+        """Whether drafts come from the executor (a draft model) rather than the
+        scheduler's own prompt lookup."""
+        return self.method == "draft_model"
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

@@ -1,7 +1,9 @@
 """Speculative decoding through the one `Engine`, in this process and over two rank
-processes, in the serial loop and under the batch queue: the same tokens as plain decoding (a cycling null executor, so prompt lookup
-is often right and several tokens arrive in one step), with stop strings inside an
-accepted run, structured output, a KEEP pause, a sleep that recomputes, and an abort."""
+processes, in the serial loop and under the batch queue, with prompt lookup and with
+the executor drafting as a draft model does: the same tokens as plain decoding (a
+cycling null executor, so prompt lookup is often right and several tokens arrive in
+one step), with stop strings inside an accepted run, structured output, a KEEP pause,
+a sleep that recomputes, and an abort."""
 
 from __future__ import annotations
 
@@ -24,7 +26,11 @@ pytestmark = pytest.mark.anyio
 HANG_GUARD = 60  # seconds; only ever reached if an engine hangs
 TOKENIZER = ByteTokenizer()
 NULL = {"executor": "null", "null_repeat_period": 3, "max_model_len": 512}
-SPECULATIVE = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+METHODS = {
+    "ngram": {"speculative_method": "ngram", "num_speculative_tokens": 4},
+    # The null executor drafts as a draft model would (a few drafts wrong on purpose).
+    "draft": {"speculative_method": "draft_model", "num_speculative_tokens": 4},
+}
 ENGINES = {
     "one-rank": {},
     "dp2-lockstep": {"dp_size": 2, "dp_mode": "lockstep", "sync_interval": 2},
@@ -32,23 +38,28 @@ ENGINES = {
     "batch-queue": {"async_scheduling": True},
     "dp2-lockstep-batch-queue": {"dp_size": 2, "dp_mode": "lockstep", "async_scheduling": True},
 }
-CASES = [("asyncio", name) for name in ENGINES] + [("trio", "one-rank")]
+CASES = (
+    [("asyncio", name, "ngram") for name in ENGINES]
+    + [("trio", "one-rank", "ngram")]
+    + [("asyncio", name, "draft") for name in ("dp2-lockstep", "dp2-lockstep-batch-queue")]
+    + [("trio", "one-rank", "draft")]
+)
 PROMPTS = [("abc" * (i + 3)) + "d" * i for i in range(6)]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{b}-{n}" for b, n in CASES])
-def case(request: pytest.FixtureRequest) -> tuple[str, str]:
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
+def case(request: pytest.FixtureRequest) -> tuple[str, str, str]:
     return request.param
 
 
 @pytest.fixture(scope="module")
-def anyio_backend(case: tuple[str, str]) -> str:
+def anyio_backend(case: tuple[str, str, str]) -> str:
     return case[0]
 
 
 @pytest.fixture(scope="module")
-async def engine(case: tuple[str, str], anyio_backend: str) -> AsyncIterator[Engine]:
-    config = EngineConfig(**NULL, **SPECULATIVE, **ENGINES[case[1]])
+async def engine(case: tuple[str, str, str], anyio_backend: str) -> AsyncIterator[Engine]:
+    config = EngineConfig(**NULL, **METHODS[case[2]], **ENGINES[case[1]])
     async with open_engine(config) as opened:
         yield opened
 

@@ -125,3 +125,34 @@ def test_structured_output_with_drafts_is_plain_decoding(
     prompts = ["List the numbers 1, 2, 3, 4, 5, 6 as JSON."]
     got, want = run(speculative, prompts, params), run(plain, prompts, params)
     assert_same_greedy(plain, prompts_of(plain, prompts), got, want)
+
+
+def draft_core(weights: str) -> EngineCore:
+    """The model drafting for itself, its draft's projections in `weights`."""
+    from wavecore.engine.model.resolve import resolve_model_source
+
+    config = dataclasses.replace(
+        CONFIG,
+        speculative_method="draft_model",
+        draft_model=str(resolve_model_source(None).path),
+        draft_weights=weights,
+        num_speculative_tokens=3,
+    )
+    return EngineCore.from_config(config)
+
+
+# Quantizing the draft to int8 takes 10-30 s: its case runs in `make soak`.
+@pytest.mark.parametrize("weights", ["float32", pytest.param("int8", marks=pytest.mark.soak)])
+def test_a_draft_model_changes_no_token(cores: tuple[EngineCore, EngineCore], weights: str) -> None:
+    """The model as its own draft is always right; its int8 copy partly."""
+    plain, _ = cores
+    drafting = draft_core(weights)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    got, want = run(drafting, ASKS[:2], params), run(plain, ASKS[:2], params)
+    assert_same_greedy(plain, prompts_of(plain, ASKS[:2]), got, want)
+    counts = drafting.scheduler.spec_counts
+    if weights == "float32":
+        assert counts.num_accepted_tokens == counts.num_draft_tokens > 0
+    else:
+        assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+    drafting.close()

@@ -3,8 +3,9 @@
 A toy model over four tokens (the next token follows the last one's cycle with
 probability 0.55, each other with 0.15) is sampled at temperature 1 by the real
 sampler, N requests with speculation and N without. Prompt lookup drafts the cycle,
-which is right about half the time, so drafts are accepted and rejected at every
-position. The frequencies of each token at each output position must agree.
+and so does the toy's own greedy draft model (its argmax is the cycle): right about
+half the time, so drafts are accepted and rejected at every position. The
+frequencies of each token at each output position must agree.
 
 The bound: by Hoeffding's inequality each of the 2 x 5 x 4 frequencies is within
 t = 0.05 of its probability except with probability 2 exp(-2 N t^2) (N = 2000:
@@ -18,11 +19,18 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
-from wavecore.engine.executors.batch import GrammarBitmask, ModelBatch, ModelOutput, sampling_rows
+from wavecore.engine.executors.batch import (
+    GrammarBitmask,
+    ModelBatch,
+    ModelOutput,
+    accepted_drafts,
+    sampling_rows,
+)
 from wavecore.engine.executors.null_executor import NullExecutor
 from wavecore.engine.request import EngineRequest
 from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
@@ -62,11 +70,29 @@ class ToyModel(NullExecutor):
         if not rows:
             return ModelOutput(sampled=())
         logits = self._table[[row.all_token_ids[-1] % 4 for row in rows]]
-        return ModelOutput(sampled=self._sampler.sample(logits, rows))
+        sampled = self._sampler.sample(logits, rows)
+        return ModelOutput(sampled=sampled, draft_token_ids=self._greedy_drafts(forward, sampled))
+
+    @staticmethod
+    def _greedy_drafts(forward: ModelBatch, sampled: tuple) -> dict[str, tuple[int, ...]]:
+        """What a greedy draft model of the toy proposes: the cycle after the last
+        token a chunk emits."""
+        drafts, row = {}, 0
+        for chunk in forward.chunks:
+            if not chunk.sample:
+                continue
+            samples = sampled[row : row + chunk.num_samples]
+            row += chunk.num_samples
+            if chunk.num_lookahead_tokens:
+                verified = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :]
+                last = samples[accepted_drafts(verified, samples)].token_id
+                count = chunk.num_lookahead_tokens
+                drafts[chunk.request_id] = tuple((last + i) % 4 for i in range(1, count + 1))
+        return drafts
 
 
-def frequencies(speculative: bool) -> list[Counter[int]]:
-    spec = {"speculative_method": "ngram", "num_speculative_tokens": 4} if speculative else {}
+def frequencies(method: str | None) -> list[Counter[int]]:
+    spec = {"speculative_method": method, "num_speculative_tokens": 4} if method else {}
     core = EngineCore(
         executor=ToyModel(),
         tokenizer=TOKENIZER,
@@ -86,14 +112,20 @@ def frequencies(speculative: bool) -> list[Counter[int]]:
     while core.has_unfinished():
         for update in core.step():
             outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
-    if speculative:
+    if method:
         counts = core.scheduler.spec_counts
         assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
     return [Counter(output[position] for output in outputs.values()) for position in range(OUTPUT)]
 
 
-def test_every_position_keeps_its_distribution() -> None:
-    plain, speculating = frequencies(False), frequencies(True)
+@pytest.fixture(scope="module")
+def plain() -> list[Counter[int]]:
+    return frequencies(None)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_every_position_keeps_its_distribution(plain: list[Counter[int]], method: str) -> None:
+    speculating = frequencies(method)
     for position in range(OUTPUT):
         for token in range(4):
             difference = abs(plain[position][token] - speculating[position][token]) / REQUESTS

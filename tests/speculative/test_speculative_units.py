@@ -1,7 +1,8 @@
 """Speculative decoding's parts: prompt-lookup proposals, the back-off, the settings
 (each bad one its own error), and the scheduler with the null executor: the same
-tokens as plain decoding whatever is drafted, with the KV of rejected drafts never
-read (`track_kv`) nor cached."""
+tokens as plain decoding whatever is drafted (by prompt lookup, or by the executor as
+a draft model would, `num_lookahead_tokens`), with the KV of rejected drafts never
+read (`track_kv`) nor cached, serially and with two steps in flight."""
 
 from __future__ import annotations
 
@@ -60,7 +61,10 @@ def test_back_off_after_two_empty_verifications_and_reset_on_acceptance() -> Non
     ("fields", "message"),
     [
         ({"speculative_method": "medusa"}, "speculative_method must be one of"),
-        ({"speculative_method": "draft_model"}, "a draft model is not supported yet"),
+        ({"speculative_method": "draft_model", "executor": "model"}, "needs draft_model"),
+        ({"speculative_method": "ngram", "draft_model": "d.gguf"}, "used only with"),
+        ({"draft_model": "d.gguf"}, "used only with"),
+        ({"speculative_method": "draft_model", "draft_weights": "int4"}, "draft_weights"),
         ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"speculative_method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
         ({"speculative_method": "ngram", "prompt_lookup_min": 5}, "must not exceed"),
@@ -70,10 +74,11 @@ def test_back_off_after_two_empty_verifications_and_reset_on_acceptance() -> Non
 )
 def test_each_bad_setting_is_refused_with_its_own_error(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=rf"EngineConfig\..*{message}"):
-        EngineConfig(executor="null", **fields)
+        EngineConfig(**{"executor": "null", **fields})
 
 
-def core(speculative: bool, **config: Any) -> EngineCore:
+def core(speculative: bool | str, **config: Any) -> EngineCore:
+    """A null-executor core; `speculative` True for prompt lookup, or a method name."""
     executor = NullExecutor(
         num_kv_blocks=config.pop("num_kv_blocks", 512),
         block_size=4,
@@ -84,7 +89,8 @@ def core(speculative: bool, **config: Any) -> EngineCore:
         track_kv=True,
         repeat_period=6,
     )
-    spec = {"speculative_method": "ngram", "num_speculative_tokens": 5} if speculative else {}
+    method = "ngram" if speculative is True else speculative
+    spec = {"speculative_method": method, "num_speculative_tokens": 5} if method else {}
     return EngineCore(
         executor=executor,
         tokenizer=TOKENIZER,
@@ -142,25 +148,34 @@ REQUESTS = {
 }
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {},
-        {"num_kv_blocks": 40},  # preemption and recompute
-        {"enable_prefix_caching": False},
-        {"eos_at_output": 7},  # EOS inside an accepted run ends it there
-        {"max_num_batched_tokens": 7},  # drafts cut to the token budget
-    ],
-    ids=["roomy", "preempting", "no-prefix-cache", "eos", "small-budget"],
-)
-def test_speculation_changes_no_token_and_reads_no_rejected_kv(config: dict) -> None:
+CONFIGS = {
+    "roomy": {},
+    "preempting": {"num_kv_blocks": 40},  # preemption and recompute
+    "no-prefix-cache": {"enable_prefix_caching": False},
+    "eos": {"eos_at_output": 7},  # EOS inside an accepted run ends it there
+    "small-budget": {"max_num_batched_tokens": 7},  # drafts cut to the token budget
+    "async": {"async_scheduling": True},  # two steps in flight (`run_pipelined`)
+    "async-tight": {"async_scheduling": True, "num_kv_blocks": 40},
+}
+CASES = [("ngram", name) for name in CONFIGS if not name.startswith("async")] + [
+    ("draft_model", name) for name in CONFIGS
+]
+
+
+@pytest.mark.parametrize(("method", "name"), CASES, ids=["-".join(case) for case in CASES])
+def test_speculation_changes_no_token_and_reads_no_rejected_kv(method: str, name: str) -> None:
     """Whatever is drafted: prompt lookup's drafts, with one of them spoiled every
-    other proposal (the cycling executor's own outputs are always predicted right),
-    so drafts are rejected at every position too."""
+    other proposal (the cycling executor's own outputs are always predicted right), or
+    the executor's own as a draft model's, asked one step ahead with blocks for their
+    lookahead (the null executor's are wrong at one position in five,
+    `DRAFT_MISS_PERIOD`): drafts are rejected at every position too."""
+    config = CONFIGS[name]
     plain = run(core(False, **dict(config)), REQUESTS)
-    speculating = core(True, **dict(config), speculative_token_budget=4096)
-    speculating.scheduler._proposer = SpoilingProposer(speculating.scheduler._proposer)
-    assert run(speculating, REQUESTS) == plain
+    speculating = core(method, **dict(config), speculative_token_budget=4096)
+    if method == "ngram":
+        speculating.scheduler._proposer = SpoilingProposer(speculating.scheduler._proposer)
+    runner = run_pipelined if config.get("async_scheduling") else run
+    assert runner(speculating, REQUESTS) == plain
     counts = speculating.scheduler.spec_counts
     assert counts.num_drafts > 0 and 0 < counts.num_accepted_tokens < counts.num_draft_tokens
     assert sum(counts.accepted_per_position) == counts.num_accepted_tokens
@@ -216,3 +231,56 @@ def test_under_async_scheduling_a_request_verifying_drafts_sits_out_the_step_ahe
     assert len(verifying) >= 2, drafts_per_step
     for i in verifying:  # the step scheduled while its drafts were in flight is empty
         assert i + 1 == len(drafts_per_step) or drafts_per_step[i + 1] == []
+
+
+def run_pipelined(engine: EngineCore, requests: dict[str, tuple[str, SamplingParams]]) -> dict:
+    """`run` with two steps in flight, as the batch queue runs them: each step is
+    scheduled before the previous one's update, its placeholders filled from it."""
+    add_all(engine, requests)
+    scheduler, executor = engine.scheduler, engine.executor
+    out: dict[str, Any] = {}
+    pending = [scheduler.schedule()]
+    while pending:
+        step = pending[0]
+        output = executor.execute(step.batch)
+        if scheduler.has_work():
+            ahead = scheduler.schedule()
+            if not ahead.is_empty:
+                ahead.resolve_placeholders(output)
+                pending.append(ahead)
+        pending.pop(0)
+        for update in scheduler.update(step, output):
+            tokens, _ = out.get(update.request_id, ((), None))
+            out[update.request_id] = (tokens + update.new_token_ids, update.finish_reason)
+        if not pending and scheduler.has_work():
+            pending.append(scheduler.schedule())
+    return out
+
+
+def test_a_draft_model_is_asked_one_step_ahead_within_free_blocks() -> None:
+    """Each sampling chunk asks for k drafts while blocks are plentiful, fewer (never
+    by preempting) when they are not, and a decode verifies what came back."""
+    engine = core("draft_model", speculative_token_budget=4096)
+    add_all(engine, {"r": ("abcd" * 4, SamplingParams(max_tokens=30, ignore_eos=True))})
+    step = engine.schedule()
+    assert [c.num_lookahead_tokens for c in step.batch.chunks] == [5]
+    engine.update(step, output := engine.execute(step))
+    assert len(output.draft_token_ids["r"]) == 5
+    step = engine.schedule()
+    assert [c.num_draft_tokens for c in step.batch.chunks] == [5]
+    engine.update(step, engine.execute(step))
+
+    tight = core("draft_model", num_kv_blocks=6, speculative_token_budget=4096)
+    add_all(tight, {"a": ("abcdabcd", SamplingParams(max_tokens=4, ignore_eos=True))})
+    step = tight.schedule()  # 8 prompt tokens: 2 blocks of 4; 4 free, 1 kept per request
+    assert step.num_preempted == 0
+    (chunk,) = step.batch.chunks
+    assert chunk.num_lookahead_tokens == 3  # cut by max_tokens: 4 outputs, 3 after the first
+
+    # 3 blocks: the prompt takes 2, and the last free one is kept for the request's
+    # own next token: no lookahead, and no preemption for one.
+    scarce = core("draft_model", num_kv_blocks=3, speculative_token_budget=4096)
+    add_all(scarce, {"a": ("abcdabcd", SamplingParams(max_tokens=3, ignore_eos=True))})
+    step = scarce.schedule()
+    assert [c.num_lookahead_tokens for c in step.batch.chunks] == [0]
+    assert scarce.scheduler.block_manager.num_free_blocks == 1
