@@ -54,3 +54,27 @@ def test_quick_bench_writes_results(tiny_hf_dir: Path, tmp_path: Path) -> None:
     assert results["transformers_generate_batch1_tok_s"] > 0
     # llama.cpp runs only where installed, and only on a GGUF: never on this model.
     assert results["llamacpp"] is None and "llama.cpp: " in completed.stdout
+
+
+@pytest.mark.soak
+def test_the_int4_candidate_bench_writes_results(tmp_path: Path) -> None:
+    output = tmp_path / "int4.json"
+    completed = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH.with_name("int4_candidate.py")),
+            "--rounds",
+            "2",
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = json.loads(output.read_text())["rows"]
+    assert [row["shape"] for row in rows] == ["qkv", "o", "gate_up", "down", "lm_head"]
+    for row in rows:
+        assert row["int4_us"] > 0 and row["int4_max_error"] < 1e-3
