@@ -14,7 +14,9 @@ engine down 133 s later). So the target size is checked before anything starts, 
   channels, `RANK_PROCESS_BYTES`, measured as a null rank's resident set, 236 MB), the
   model's weights (parameters x 4 bytes: float32, the widest dtype the executor uses, so
   the bound errs on the safe side) and its KV cache (`kv_cache_memory`; a fraction is
-  of the memory available, for every rank). A null-executor rank holds neither.
+  of the memory available, for every rank), and with a draft model its weights and its
+  KV cache (as many blocks as the target's, `engine/model/draft_model.py`). A
+  null-executor rank holds neither.
 
 The bound is on the engine's whole size, as if every rank ran here (a scale spawns its
 new ranks here); an engine with ranks on other machines too (`wavecore rank`) sets
@@ -66,14 +68,31 @@ def rank_memory_bytes(config: EngineConfig, available: int) -> int:
         return RANK_PROCESS_BYTES  # no weights, and no KV cache to allocate
     kv = config.kv_cache_memory
     kv_bytes = int(kv * available) if isinstance(kv, float) else kv
-    return RANK_PROCESS_BYTES + _weight_bytes(config) + kv_bytes
+    total = RANK_PROCESS_BYTES + _weight_bytes(config.model) + kv_bytes
+    if config.draft_model is not None:
+        total += _weight_bytes(config.draft_model) + _draft_kv_bytes(config, kv_bytes)
+    return total
 
 
-def _weight_bytes(config: EngineConfig) -> int:
+def _weight_bytes(model: str | None) -> int:
     from wavecore.engine.model.resolve import resolve_model_source
 
-    parameters = resolve_model_source(config.model).config.num_parameters
+    parameters = resolve_model_source(model).config.num_parameters
     return parameters * _WEIGHT_BYTES_PER_PARAMETER
+
+
+def _draft_kv_bytes(config: EngineConfig, kv_bytes: int) -> int:
+    """The draft's KV cache: the target's block count, in the draft's block size."""
+    import torch
+
+    from wavecore.engine.model.kv_cache import bytes_per_block
+    from wavecore.engine.model.resolve import resolve_model_source
+
+    def block(model: str | None) -> int:
+        source = resolve_model_source(model)
+        return bytes_per_block(source.config, config.block_size, torch.float32)
+
+    return kv_bytes // block(config.model) * block(config.draft_model)
 
 
 def _usable_cores() -> int:

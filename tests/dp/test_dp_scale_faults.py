@@ -18,9 +18,15 @@ from dp_helpers import HANG_GUARD, collect, expected_tokens, null_config, tokens
 from wavecore.engine import messages as m
 from wavecore.engine.api import Engine, open_dp_engine
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.dp.capacity import RANK_PROCESS_BYTES, RANKS_PER_CORE, dp_capacity
+from wavecore.engine.dp.capacity import (
+    RANK_PROCESS_BYTES,
+    RANKS_PER_CORE,
+    dp_capacity,
+    rank_memory_bytes,
+)
 from wavecore.engine.dp.exit_status import wait_for_exits
 from wavecore.engine.errors import ScalingFailedError, ScalingRefusedError
+from wavecore.engine.model.resolve import resolve_model_source
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.statemachines import (
     Drained,
@@ -65,6 +71,17 @@ def test_the_machine_bound_comes_from_cores_and_memory() -> None:
     huge = dp_capacity(EngineConfig(executor="model", kv_cache_memory=2**40))
     assert huge.max_dp_size == 1 and "MiB per rank" in huge.reason
     assert RANK_PROCESS_BYTES > 0
+    # A draft model (here the model itself) adds its weights and a KV cache as large.
+    model = EngineConfig(executor="model", kv_cache_memory=2**28)
+    drafting = EngineConfig(
+        executor="model",
+        kv_cache_memory=2**28,
+        speculative_method="draft_model",
+        draft_model=str(resolve_model_source(None).path),
+    )
+    alone, with_draft = (rank_memory_bytes(c, 2**34) for c in (model, drafting))
+    # (the same, but for the part of a block the draft's whole blocks leave out)
+    assert 0 <= (alone - RANK_PROCESS_BYTES) - (with_draft - alone) < 2**20
 
 
 @pytest.mark.parametrize(
