@@ -14,7 +14,16 @@ forwards as they really took (a loaded machine oversleeps T): the bound measured
 against the forwards' real durations. Each figure is the best of `--repeats` runs
 (serial and queue alternating), the run least disturbed by other work.
 
+`--speculative ngram|draft_model` measures the batch queue with speculative decoding:
+concurrencies 1 and 8 (drafts are added only while a step holds at most 16 tokens),
+k = 4, the null executor's outputs cycling (`repeat_period`) so prompt lookup finds
+drafts, and drafting as a draft model does for "draft_model" (some drafts wrong on
+purpose). A request that drafts verifies in one forward and sits out the step ahead
+under the queue (batch queue rule 7), so the table adds tokens per forward; the bound
+stays one token per request per forward, which speculation can exceed.
+
 Usage: python bench/batch_queue.py [--quick] [--step-ms T] [--tokens N]
+       [--speculative ngram|draft_model]
 """
 
 from __future__ import annotations
@@ -45,10 +54,17 @@ TARGET_OF_BOUND = 0.95
 PROMPT_TOKENS = 16
 
 
-def _build(concurrency: int, tokens: int, step_seconds: float, queue: bool) -> EngineCore:
+SPECULATIVE_TOKENS = 4
+REPEAT_PERIOD = 5
+
+
+def _build(
+    concurrency: int, tokens: int, step_seconds: float, queue: bool, speculative: str | None
+) -> EngineCore:
     tokenizer = ByteTokenizer()
     block_size = 16
-    blocks = concurrency * -(-(PROMPT_TOKENS + tokens + 1) // block_size)
+    # (one block more each: a draft model's lookahead may reach past the last token)
+    blocks = concurrency * (-(-(PROMPT_TOKENS + tokens + 1) // block_size) + 1)
     executor = NullExecutor(
         num_kv_blocks=blocks,
         block_size=block_size,
@@ -56,12 +72,19 @@ def _build(concurrency: int, tokens: int, step_seconds: float, queue: bool) -> E
         vocab_size=tokenizer.vocab_size,
         eos_token_id=tokenizer.eos_token_id,
         step_seconds=step_seconds,
+        repeat_period=REPEAT_PERIOD if speculative else None,
+    )
+    spec = (
+        {"speculative_method": speculative, "num_speculative_tokens": SPECULATIVE_TOKENS}
+        if speculative
+        else {}
     )
     config = EngineConfig(
         executor="null",
         max_num_seqs=concurrency,
         max_num_batched_tokens=max(2048, concurrency * PROMPT_TOKENS),
         async_scheduling=queue,
+        **spec,
     )
     return EngineCore(
         executor=executor, tokenizer=tokenizer, config=config, eos_token_id=tokenizer.eos_token_id
@@ -88,20 +111,23 @@ class _Counter:
         pass
 
 
-async def _measure(concurrency: int, tokens: int, step_seconds: float, queue: bool) -> dict:
-    core = _build(concurrency, tokens, step_seconds, queue)
+async def _measure(
+    concurrency: int, tokens: int, step_seconds: float, queue: bool, speculative: str | None
+) -> dict:
+    core = _build(concurrency, tokens, step_seconds, queue, speculative)
     # Time inside the forwards as they really took (a loaded machine oversleeps).
+    # (The forward is `execute_model`, where the null executor sleeps its step time.)
     busy = [0.0]
-    execute = core.executor.execute
+    forward = core.executor.execute_model
 
-    def timed_execute(batch: Any) -> Any:
+    def timed_forward(batch: Any) -> Any:
         begun = time.perf_counter()
         try:
-            return execute(batch)
+            return forward(batch)
         finally:
             busy[0] += time.perf_counter() - begun
 
-    core.executor.execute = timed_execute  # type: ignore[method-assign]
+    core.executor.execute_model = timed_forward  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
     counter = _Counter(concurrency)
     to_rank, inbox = anyio.create_memory_object_stream[Any](math.inf)
@@ -140,6 +166,7 @@ async def _measure(concurrency: int, tokens: int, step_seconds: float, queue: bo
         "of_bound": throughput / bound,
         "model_busy": busy[0] / elapsed,
         "forwards": runner.counts["real_steps"],
+        "tokens_per_forward": counter.tokens / max(1, runner.counts["real_steps"]),
         "seconds": elapsed,
     }
 
@@ -150,13 +177,17 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=10.0, help="the fixed forward time")
     parser.add_argument("--tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--speculative", choices=["ngram", "draft_model"])
     args = parser.parse_args()
+    if args.output is None:
+        name = f"batch_queue_{args.speculative}.json" if args.speculative else RESULTS.name
+        args.output = RESULTS.with_name(name)
     # As a rank process does once it has loaded (engine/dp/rank_process.py): without it,
     # full collections of the whole heap stall the loop about 100 ms each.
     gc.collect()
     gc.freeze()
-    concurrencies = (64, 256)
+    concurrencies = (1, 8) if args.speculative else (64, 256)
     if args.quick:
         concurrencies, args.tokens, args.repeats = (8,), 8, 1
     step_seconds = args.step_ms / 1000
@@ -166,24 +197,29 @@ def main() -> None:
         for _ in range(args.repeats):
             for queue in (False, True):
                 runs[queue].append(
-                    anyio.run(_measure, concurrency, args.tokens, step_seconds, queue)
+                    anyio.run(
+                        _measure, concurrency, args.tokens, step_seconds, queue, args.speculative
+                    )
                 )
         rows += [max(runs[queue], key=lambda row: row["tokens_per_s"]) for queue in (False, True)]
     machine = describe()
+    speculating = f", speculative {args.speculative} k={SPECULATIVE_TOKENS}" * bool(
+        args.speculative
+    )
     print(
         f"batch queue vs serial loop, null executor with a {args.step_ms:g} ms forward "
-        f"(GIL released), {args.tokens} output tokens per request, on {machine['cpu']} "
-        f"({machine['cpus']} CPUs)"
+        f"(GIL released){speculating}, {args.tokens} output tokens per request, on "
+        f"{machine['cpu']} ({machine['cpus']} CPUs)"
     )
     print(
         f"{'C':>4} {'mode':<7} {'tokens/s':>9} {'bound':>8} {'of bound':>9} "
-        f"{'model busy':>11} {'forwards':>9}"
+        f"{'model busy':>11} {'forwards':>9} {'tok/forward':>11}"
     )
     for row in rows:
         print(
             f"{row['concurrency']:>4} {row['mode']:<7} {row['tokens_per_s']:>9.0f} "
             f"{row['bound_tokens_per_s']:>8.0f} {row['of_bound']:>9.3f} "
-            f"{row['model_busy']:>11.3f} {row['forwards']:>9}"
+            f"{row['model_busy']:>11.3f} {row['forwards']:>9} {row['tokens_per_forward']:>11.2f}"
         )
     speedups = {
         str(c): next(r for r in rows if r["concurrency"] == c and r["mode"] == "queue")[
@@ -202,6 +238,7 @@ def main() -> None:
             {
                 "benchmark": "batch_queue",
                 "machine": machine,
+                "speculative": args.speculative,
                 "quick": args.quick,
                 "step_ms": args.step_ms,
                 "output_tokens": args.tokens,
