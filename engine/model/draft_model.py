@@ -92,11 +92,22 @@ class DraftModel:
             max_model_len=target.max_model_len,
         )
         if executor.dtype != target.dtype:
+            executor.close()
             raise DraftModelError(
                 f"draft model {model!r} computes in {executor.dtype}, the target in "
                 f"{target.dtype}: give both the same dtype"
             )
-        _check_same_tokens(model, executor, target)
+        if executor.num_kv_blocks != target.num_kv_blocks:  # rule 1's geometry
+            executor.close()
+            raise DraftModelError(
+                f"draft model {model!r} got a KV cache of {executor.num_kv_blocks} blocks, "
+                f"the target has {target.num_kv_blocks}"
+            )
+        try:
+            _check_same_tokens(model, executor, target)
+        except DraftModelError:
+            executor.close()
+            raise
         return cls(executor)
 
     @property
