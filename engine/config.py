@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +28,9 @@ class EngineConfig:
     `executor="null"` swaps the model for a deterministic stand-in that costs no
     compute, for benchmarks and protocol tests; `null_repeat_period` makes its outputs
     cycle, as a model copying its input does (`NullExecutor(repeat_period=...)`), for
-    speculative decoding's tests and benchmarks. `kv_cache_memory` is a byte count, or
+    speculative decoding's tests and benchmarks; `null_step_seconds` makes each of its
+    steps last that long (`NullExecutor(step_seconds=...)`), a stand-in for a device
+    whose step time hardly depends on the batch. `kv_cache_memory` is a byte count, or
     a fraction in (0, 1] of the memory available on the device.
 
     `dp_size > 1` runs that many engine ranks in processes of their own behind one
@@ -113,6 +116,7 @@ class EngineConfig:
     model: str | None = None
     executor: ExecutorKind = "model"
     null_repeat_period: int | None = None
+    null_step_seconds: float = 0.0
     device: Device = "auto"
     weights: Weights = "auto"
     dtype: DType = "auto"
@@ -176,6 +180,15 @@ class EngineConfig:
             raise ValueError(
                 "EngineConfig.null_repeat_period must be None or a positive int, "
                 f"got {self.null_repeat_period!r}"
+            )
+        if (
+            isinstance(self.null_step_seconds, bool)
+            or not isinstance(self.null_step_seconds, int | float)
+            or not 0 <= self.null_step_seconds < math.inf
+        ):
+            raise ValueError(
+                "EngineConfig.null_step_seconds must be a finite number >= 0, "
+                f"got {self.null_step_seconds!r}"
             )
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(

@@ -49,6 +49,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         return EngineConfig(
             model=args.model,
             executor=args.executor,
+            # A benchmark knob `wavecore rank` does not take.
+            null_step_seconds=getattr(args, "null_step_ms", 0.0) / 1000,
             device=args.device,
             weights=args.weights,
             dtype=args.dtype,
@@ -500,6 +502,12 @@ def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGro
         "--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)"
     )
     engine.add_argument("--executor", choices=["model", "null"], default="model")
+    engine.add_argument(
+        "--null-step-ms",
+        type=float,
+        default=0.0,
+        help="with --executor null: every step lasts this long, as a device's would",
+    )
     engine.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     engine.add_argument(
         "--weights",

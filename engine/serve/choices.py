@@ -2,8 +2,9 @@
 
 A request becomes one `Choice` per prompt and per `n`, each tokenized and validated
 before anything runs (a bad prompt is a 400 before a 200 was sent). Each choice runs
-in a task of its own that owns its `engine.generate` iterator, so cancelling the task
-(the client went away, the response is done) leaves the iterator in that same task,
+in a task of its own that first waits for its client's turn (`fairness`), then owns its
+`engine.generate` iterator, so cancelling the task (the client went away, the response
+is done) takes it out of the fair queue, or leaves the iterator in that same task,
 which aborts the request on its rank. Tasks report `ChoiceEvent`s into one stream.
 """
 
@@ -99,45 +100,59 @@ def _seeded(params: SamplingParams, sample: int) -> SamplingParams:
 
 
 async def run_choices(
-    state: ServerState, ready: ReadyEngine, choices: Sequence[Choice], events: ObjectSendStream
+    state: ServerState,
+    ready: ReadyEngine,
+    client: str,
+    choices: Sequence[Choice],
+    events: ObjectSendStream,
 ) -> None:
-    """Run every choice at once, reporting into `events` (closed when all ended)."""
+    """Run every choice of `client`'s call as fair admission lets them in, reporting into
+    `events` (closed when all ended). The choices were reserved (`FairAdmission.reserve`)."""
     async with events, anyio.create_task_group() as tg:
         for choice in choices:
-            tg.start_soon(_run_choice, state, ready, choice, events.clone())
+            tg.start_soon(_run_choice, state, ready, client, choice, events.clone())
 
 
 async def _run_choice(
-    state: ServerState, ready: ReadyEngine, choice: Choice, events: ObjectSendStream
+    state: ServerState,
+    ready: ReadyEngine,
+    client: str,
+    choice: Choice,
+    events: ObjectSendStream,
 ) -> None:
     metrics = state.metrics
     start = last = time.perf_counter()
     waiting = True
-    state.in_flight.add(choice.request_id)
-    async with events:
-        try:
-            async for delta in ready.engine.generate(
-                list(choice.prompt_token_ids),
-                choice.params,
-                request_id=choice.request_id,
-                lora=choice.lora,
-            ):
-                now = time.perf_counter()
-                if delta.token_ids:
-                    if waiting:
-                        waiting = False
-                        state.waiting -= 1
-                        metrics.first_token(now - start)
-                    else:
-                        metrics.next_tokens(now - last)
-                    last = now
-                    metrics.generated(len(delta.token_ids))
-                if delta.finish_reason is not None:
-                    metrics.finished(delta.finish_reason, delta.usage.prompt_tokens, now - start)
-                await events.send(ChoiceEvent(choice.index, delta=delta))
-        except EngineError as error:
-            await events.send(ChoiceEvent(choice.index, error=state.error_of(error)))
-        finally:
-            state.in_flight.discard(choice.request_id)
-            if waiting:
-                state.waiting -= 1
+    try:
+        async with events, state.fair.slot(client):
+            state.in_flight.add(choice.request_id)
+            try:
+                async for delta in ready.engine.generate(
+                    list(choice.prompt_token_ids),
+                    choice.params,
+                    request_id=choice.request_id,
+                    lora=choice.lora,
+                ):
+                    now = time.perf_counter()
+                    if delta.token_ids:
+                        if waiting:
+                            waiting = False
+                            state.waiting -= 1
+                            metrics.first_token(now - start)
+                        else:
+                            metrics.next_tokens(now - last)
+                        last = now
+                        metrics.generated(len(delta.token_ids))
+                    if delta.finish_reason is not None:
+                        metrics.finished(
+                            delta.finish_reason, delta.usage.prompt_tokens, now - start
+                        )
+                    await events.send(ChoiceEvent(choice.index, delta=delta))
+            except EngineError as error:
+                await events.send(ChoiceEvent(choice.index, error=state.error_of(error)))
+            finally:
+                state.in_flight.discard(choice.request_id)
+    finally:
+        # Still waiting: for its turn (cancelled in the fair queue) or its first token.
+        if waiting:
+            state.waiting -= 1
