@@ -68,6 +68,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             heartbeat_timeout=args.heartbeat_timeout,
             restart_ranks=getattr(args, "restart_ranks", False),
             channel_key_file=args.channel_key_file,
+            tls_cert_file=args.tls_cert,
+            tls_key_file=args.tls_key,
+            tls_ca_file=args.tls_ca,
+            tls_server_name=args.tls_server_name,
             log_iteration_details=args.log_iteration_details,
             enable_lora=args.enable_lora or bool(getattr(args, "lora_modules", None)),
             max_loras=args.max_loras,
@@ -75,9 +79,11 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             lora_modules=tuple(getattr(args, "lora_modules", None) or ()),
             dp_backend=backend,
             ray_address=getattr(args, "ray_address", None),
-            # Ranks started elsewhere (by hand, or by Ray) connect over tcp; the
-            # transport is not hashed.
-            transport="tcp" if getattr(args, "dp_master", None) or backend == "ray" else "ipc",
+            # Ranks started elsewhere (by hand, or by Ray), and a headless rank itself
+            # (`--master`), connect over tcp; the transport is not hashed.
+            transport="tcp"
+            if getattr(args, "dp_master", None) or backend == "ray" or getattr(args, "master", None)
+            else "ipc",
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
@@ -453,6 +459,18 @@ def _add_rank_behaviour_flags(group: argparse._ActionsContainer) -> None:
         help="the key (hex) every channel between front end, coordinator and ranks is "
         "signed with: the same file on every machine (or $WAVECORE_CHANNEL_KEY); "
         "needed where ranks start elsewhere",
+    )
+    group.add_argument(
+        "--tls-cert", metavar="PEM", help="this process's certificate: tcp channels use TLS"
+    )
+    group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    group.add_argument(
+        "--tls-ca", metavar="PEM", help="the CA every peer's certificate must come from"
+    )
+    group.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name every listener's certificate carries (default: the host dialed)",
     )
     group.add_argument(
         "--heartbeat-interval",

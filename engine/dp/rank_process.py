@@ -91,6 +91,11 @@ _DEPLOYMENT_FIELDS = frozenset(
         "dp_backend",
         "ray_address",
         "channel_key_file",
+        # Each process names its own certificate files.
+        "tls_cert_file",
+        "tls_key_file",
+        "tls_ca_file",
+        "tls_server_name",
         "lora_modules",
     }
 )
