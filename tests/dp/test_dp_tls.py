@@ -10,6 +10,7 @@ import pickle
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import anyio
@@ -28,6 +29,7 @@ from wavecore.channels import (
 )
 from wavecore.engine.api import open_dp_engine
 from wavecore.engine.config import EngineConfig
+from wavecore.engine.dp.launcher import DPStartupError
 from wavecore.engine.sampling_params import SamplingParams
 
 OPENSSL = shutil.which("openssl")
@@ -147,6 +149,43 @@ async def test_dp_2_over_tls_spawned_and_headless_serves_exactly(
                 process.kill()
             await process.wait()
     assert results == {prompt: expected_tokens(prompt, 8) for prompt in prompts}
+
+
+async def test_a_rank_whose_certificate_the_ca_did_not_sign_cannot_join(
+    certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It holds the channel key, but cannot connect: the start ends naming it."""
+    monkeypatch.setenv(KEY_ENVIRONMENT, ChannelKey.generate().hex())
+    config = EngineConfig(
+        executor="null",
+        dp_size=2,
+        transport="tcp",
+        startup_timeout=4.0,
+        tls_cert_file=f"{certs}/node.pem",
+        tls_key_file=f"{certs}/node.key",
+        tls_ca_file=f"{certs}/ca.pem",
+    )
+    argv = ["rank", "--dp-rank", "1", "--dp-size", "2", "--executor", "null"]
+    argv += ["--tls-cert", f"{certs}/stranger.pem", "--tls-key", f"{certs}/stranger.key"]
+    argv += ["--tls-ca", f"{certs}/ca.pem"]
+    joined: list[subprocess.Popen[bytes]] = []
+
+    def start(address: str) -> None:
+        rank = [*argv, "--master", address.removeprefix("tcp://")]
+        code = f"import sys; from wavecore.engine.cli.main import main; sys.exit(main({rank!r}))"
+        joined.append(subprocess.Popen([sys.executable, "-c", code]))
+
+    try:
+        with anyio.fail_after(HANG_GUARD), pytest.raises(DPStartupError) as failed:
+            async with open_dp_engine(
+                config, master="127.0.0.1:0", local_ranks=[0], on_listening=start
+            ):
+                pass
+    finally:
+        for process in joined:
+            process.kill()
+            process.wait()
+    assert "(rank 1 never said hello)" in str(failed.value)
 
 
 def test_missing_or_bad_tls_files_are_refused_by_name(certs: Path, tmp_path: Path) -> None:
