@@ -91,11 +91,14 @@ class ChannelKey:
     def hex(self) -> str:
         return self._secret.hex()
 
-    def signer(self, channel: str) -> FrameSigner:
-        derived = hashlib.blake2b(
+    def derived(self, channel: str) -> bytes:
+        """The key of channel `channel` alone (32 bytes), derived from the secret."""
+        return hashlib.blake2b(
             channel.encode(), key=self._secret, digest_size=32, person=b"wavecore-chan"
         ).digest()
-        return FrameSigner(derived, tls=self.tls)
+
+    def signer(self, channel: str) -> FrameSigner:
+        return FrameSigner(self.derived(channel), tls=self.tls)
 
     def __repr__(self) -> str:  # never the secret itself
         return "ChannelKey(...)"
