@@ -71,7 +71,10 @@ def speaks_tls_only(address: str) -> bool:
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=HANG_GUARD) as plain:
         plain.sendall(b"\x00SP\x00\x00\x70\x00\x00")  # nng's header for a PUSH peer
-        answer = plain.recv(8)
+        try:
+            answer = plain.recv(8)
+        except ConnectionResetError:
+            return True  # refused outright
     return not answer.startswith(b"\x00SP")
 
 

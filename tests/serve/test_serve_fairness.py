@@ -141,7 +141,11 @@ async def test_a_client_past_its_bound_gets_429_others_are_served(
         # 2 admitted, 2 queued: 4 of the 5 (2 + 3) one client may have outstanding.
         tg.start_soon(post, heavy, completion(4, user="heavy"))
         await wait_queued(admin, 2)
-        for body in (completion(2, user="heavy"), completion(2, user="heavy", stream=True)):
+        # Counted in engine requests: prompts x n, streamed or not.
+        for body in (
+            completion(2, user="heavy"),
+            completion(1, n=2, user="heavy", stream=True),
+        ):
             refused = await heavy.post("/v1/completions", json=body)
             error = error_of(refused, 429)
             assert error["code"] == "rate_limit_exceeded"
