@@ -10,8 +10,10 @@ each of its `n`) waits for a slot before it reaches the engine:
 * at most `per_client` held by one client (by default three quarters of `capacity`:
   one caller alone never fills the engine, so another's request starts at once, at
   the cost of a quarter of the engine a lone caller could have used);
-* a free slot goes to the next client, in round-robin order, that has work queued and
-  is under its cap; within a client its requests keep their order.
+* a free slot goes to the next client in turn that has work queued and is under its
+  cap: first the clients not served since they came (in order of arrival), then the
+  others round-robin, the least recently served first; within a client its requests
+  keep their order.
 
 A client may have at most `per_client + queue_per_client` requests outstanding (in
 flight and queued): a call past that is refused whole, before anything of it runs,
@@ -27,6 +29,7 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from itertools import chain
 
 import anyio
 
@@ -72,8 +75,12 @@ class FairAdmission:
         self._per_client = per_client
         self.queue_per_client = queue_per_client
         self.in_flight = 0
-        # Clients with anything outstanding, in round-robin order (next to serve first).
-        self._clients: OrderedDict[str, _Client] = OrderedDict()
+        # Clients with anything outstanding. Their turns: first those not served since
+        # they came (in order of arrival: they have had no share of the engine lately),
+        # then the round of those served, the least recently served first.
+        self._clients: dict[str, _Client] = {}
+        self._fresh: OrderedDict[str, None] = OrderedDict()
+        self._round: OrderedDict[str, None] = OrderedDict()
 
     @property
     def capacity(self) -> int:
@@ -114,10 +121,8 @@ class FairAdmission:
                 headers={"Retry-After": "1"},
             )
         if client is None:
-            # A client new to the round (or back after a pause) goes first: it has had
-            # no share of the engine lately.
             client = self._clients[key] = _Client()
-            self._clients.move_to_end(key, last=False)
+            self._fresh[key] = None
         client.outstanding += count
 
     def release_reservation(self, key: str, count: int) -> None:
@@ -160,6 +165,8 @@ class FairAdmission:
     def _forget_if_idle(self, key: str, client: _Client) -> None:
         if client.outstanding == 0:
             del self._clients[key]
+            self._fresh.pop(key, None)
+            self._round.pop(key, None)
 
     def _dispatch(self) -> None:
         """Grant free slots, one request per client in turn, while any can be granted."""
@@ -171,12 +178,15 @@ class FairAdmission:
             self.in_flight += 1
             waiter.granted.set()
             # Served: to the back of the round.
-            self._clients.move_to_end(key)
+            self._fresh.pop(key, None)
+            self._round.pop(key, None)
+            self._round[key] = None
 
     def _next_turn(self) -> str | None:
-        """The first client in the round with work queued and room under its cap."""
+        """The first client in turn with work queued and room under its cap."""
         per_client = self.per_client
-        for key, client in self._clients.items():
+        for key in chain(self._fresh, self._round):
+            client = self._clients[key]
             if client.queue and client.in_flight < per_client:
                 return key
         return None
