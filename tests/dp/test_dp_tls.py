@@ -28,6 +28,7 @@ from wavecore.channels import (
     open_push,
 )
 from wavecore.engine.api import open_dp_engine
+from wavecore.engine.cli.main import main
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.dp.launcher import DPStartupError
 from wavecore.engine.sampling_params import SamplingParams
@@ -191,8 +192,21 @@ async def test_a_rank_whose_certificate_the_ca_did_not_sign_cannot_join(
     assert "(rank 1 never said hello)" in str(failed.value)
 
 
-def test_missing_or_bad_tls_files_are_refused_by_name(certs: Path, tmp_path: Path) -> None:
+def test_missing_or_bad_tls_files_are_refused_by_name(
+    certs: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     missing = f"{tmp_path}/missing.pem"
+    # On the command line: one line, exit status 2, before anything starts.
+    monkeypatch.setenv(KEY_ENVIRONMENT, ChannelKey.generate().hex())
+    argv = ["rank", "--dp-rank", "1", "--dp-size", "2", "--master", "127.0.0.1:1"]
+    argv += ["--executor", "null", "--tls-cert", missing, "--tls-key", f"{certs}/node.key"]
+    assert main([*argv, "--tls-ca", f"{certs}/ca.pem"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot read the TLS certificate file {missing}" in err
+    assert len(err.strip().splitlines()) == 1
     with pytest.raises(ValueError, match=f"cannot read the TLS certificate file {missing}"):
         ChannelTLS.load(missing, f"{certs}/node.key", f"{certs}/ca.pem")
     garbage = tmp_path / "garbage.pem"
