@@ -22,10 +22,12 @@ from wavecore.engine.errors import EngineError, InvalidRequestError, PromptTooLo
 from wavecore.engine.outputs import CompletionDelta
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.serve.errors import APIError
+from wavecore.engine.serve.fairness import AdmissionClosedError
 from wavecore.engine.serve.parsing import GenerationCall
 from wavecore.engine.serve.state import ReadyEngine, ServerState
 
 _MAX_SEED = 2**63
+_SHUTTING_DOWN = APIError(503, "the server is shutting down", code="shutting_down")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,6 +115,15 @@ async def run_choices(
             tg.start_soon(_run_choice, state, ready, client, choice, events.clone())
 
 
+@dataclass(slots=True)
+class _Progress:
+    """One choice's clock, and whether it still waits for its first token."""
+
+    start: float
+    last: float
+    waiting: bool = True
+
+
 async def _run_choice(
     state: ServerState,
     ready: ReadyEngine,
@@ -120,39 +131,53 @@ async def _run_choice(
     choice: Choice,
     events: ObjectSendStream,
 ) -> None:
-    metrics = state.metrics
-    start = last = time.perf_counter()
-    waiting = True
+    now = time.perf_counter()
+    progress = _Progress(start=now, last=now)
     try:
-        async with events, state.fair.slot(client):
-            state.in_flight.add(choice.request_id)
+        async with events:
             try:
-                async for delta in ready.engine.generate(
-                    list(choice.prompt_token_ids),
-                    choice.params,
-                    request_id=choice.request_id,
-                    lora=choice.lora,
-                ):
-                    now = time.perf_counter()
-                    if delta.token_ids:
-                        if waiting:
-                            waiting = False
-                            state.waiting -= 1
-                            metrics.first_token(now - start)
-                        else:
-                            metrics.next_tokens(now - last)
-                        last = now
-                        metrics.generated(len(delta.token_ids))
-                    if delta.finish_reason is not None:
-                        metrics.finished(
-                            delta.finish_reason, delta.usage.prompt_tokens, now - start
-                        )
-                    await events.send(ChoiceEvent(choice.index, delta=delta))
-            except EngineError as error:
-                await events.send(ChoiceEvent(choice.index, error=state.error_of(error)))
-            finally:
-                state.in_flight.discard(choice.request_id)
+                async with state.fair.slot(client):
+                    await _generate_choice(state, ready, choice, events, progress)
+            except AdmissionClosedError:
+                await events.send(ChoiceEvent(choice.index, error=_SHUTTING_DOWN))
     finally:
         # Still waiting: for its turn (cancelled in the fair queue) or its first token.
-        if waiting:
+        if progress.waiting:
             state.waiting -= 1
+
+
+async def _generate_choice(
+    state: ServerState,
+    ready: ReadyEngine,
+    choice: Choice,
+    events: ObjectSendStream,
+    progress: _Progress,
+) -> None:
+    metrics = state.metrics
+    state.in_flight.add(choice.request_id)
+    try:
+        async for delta in ready.engine.generate(
+            list(choice.prompt_token_ids),
+            choice.params,
+            request_id=choice.request_id,
+            lora=choice.lora,
+        ):
+            now = time.perf_counter()
+            if delta.token_ids:
+                if progress.waiting:
+                    progress.waiting = False
+                    state.waiting -= 1
+                    metrics.first_token(now - progress.start)
+                else:
+                    metrics.next_tokens(now - progress.last)
+                progress.last = now
+                metrics.generated(len(delta.token_ids))
+            if delta.finish_reason is not None:
+                metrics.finished(
+                    delta.finish_reason, delta.usage.prompt_tokens, now - progress.start
+                )
+            await events.send(ChoiceEvent(choice.index, delta=delta))
+    except EngineError as error:
+        await events.send(ChoiceEvent(choice.index, error=state.error_of(error)))
+    finally:
+        state.in_flight.discard(choice.request_id)

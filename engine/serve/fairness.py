@@ -47,6 +47,10 @@ def client_key(peer: str | None, user: str | None, *, authenticated: bool) -> st
     return f"peer:{peer or 'unknown'}"
 
 
+class AdmissionClosedError(Exception):
+    """The server is shutting down: a request still waiting for its turn never runs."""
+
+
 @dataclass(eq=False, slots=True)
 class _Waiter:
     granted: anyio.Event = field(default_factory=anyio.Event)
@@ -75,6 +79,7 @@ class FairAdmission:
         self._per_client = per_client
         self.queue_per_client = queue_per_client
         self.in_flight = 0
+        self._closed = False
         # Clients with anything outstanding. Their turns: first those not served since
         # they came (in order of arrival: they have had no share of the engine lately),
         # then the round of those served, the least recently served first.
@@ -140,11 +145,16 @@ class FairAdmission:
         waiter = _Waiter()
         client.queue.append(waiter)
         try:
+            if self._closed:
+                raise AdmissionClosedError
             self._dispatch()
             await waiter.granted.wait()
+            if not waiter.admitted:
+                raise AdmissionClosedError  # woken by `close`
         except BaseException:
             if not waiter.admitted:
-                client.queue.remove(waiter)
+                if waiter in client.queue:
+                    client.queue.remove(waiter)
                 client.outstanding -= 1
                 self._forget_if_idle(key, client)
             else:  # granted, and cancelled before it could run
@@ -154,6 +164,16 @@ class FairAdmission:
             yield
         finally:
             self._release(key, client)
+
+    def close(self) -> None:
+        """Admit nothing more: every request still queued, and any that comes, raises
+        `AdmissionClosedError` (the server is shutting down: what waited for its turn
+        must not start once the requests in flight were aborted)."""
+        self._closed = True
+        for client in self._clients.values():
+            for waiter in client.queue:
+                waiter.granted.set()
+            client.queue.clear()
 
     def _release(self, key: str, client: _Client) -> None:
         client.in_flight -= 1

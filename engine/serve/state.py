@@ -136,7 +136,9 @@ class ServerState:
         self.waiting += count
 
     async def abort_in_flight(self) -> int:
-        """Abort every request still running; they end with finish reason "abort"."""
+        """Abort every request still running; they end with finish reason "abort". Those
+        still waiting for their client's turn never start (503, shutting down)."""
+        self.fair.close()
         if self._ready is None:
             return 0
         aborted = 0

@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 from wavecore.engine.serve.errors import APIError
-from wavecore.engine.serve.fairness import FairAdmission
+from wavecore.engine.serve.fairness import AdmissionClosedError, FairAdmission
 
 pytestmark = pytest.mark.anyio
 
@@ -66,3 +66,30 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_the_bounds_hold() -> None
         tg.cancel_scope.cancel()
     assert (fair.in_flight, fair.queued) == (0, 0)
     fair.reserve("A", 4)  # nothing of the cancelled calls is still counted
+
+
+async def test_closing_ends_what_waits_and_what_comes_not_what_runs() -> None:
+    fair = FairAdmission(lambda: 1, per_client=1, queue_per_client=8)
+    hold = anyio.Event()
+    outcomes: list[str] = []
+
+    async def request(name: str) -> None:
+        try:
+            async with fair.slot("A"):
+                await hold.wait()
+                outcomes.append(f"{name} ran")
+        except AdmissionClosedError:
+            outcomes.append(f"{name} refused")
+
+    fair.reserve("A", 3)
+    async with anyio.create_task_group() as tg:
+        for name in ("first", "queued"):
+            tg.start_soon(request, name)
+            await anyio.wait_all_tasks_blocked()
+        fair.close()  # the shutdown timeout: what runs is aborted on the engine
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(request, "late")
+        await anyio.wait_all_tasks_blocked()
+        hold.set()
+    assert outcomes == ["queued refused", "late refused", "first ran"]
+    assert (fair.in_flight, fair.queued) == (0, 0)
