@@ -18,7 +18,8 @@ each of its `n`) waits for a slot before it reaches the engine:
 A client may have at most `per_client + queue_per_client` requests outstanding (in
 flight and queued): a call past that is refused whole, before anything of it runs,
 with a 429 and `Retry-After`. A queued request whose waiter is cancelled (its client
-went away, its call failed) leaves the queue at once.
+went away, its call failed) leaves the queue at once; at a shutdown's timeout `close`
+ends every request still queued (they must not start once those in flight are aborted).
 
 Who is a client: `client_key`.
 """
