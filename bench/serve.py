@@ -10,7 +10,10 @@ An open-loop load generator (Poisson arrivals at a request rate, like the upstre
 - with the null executor and 16-token responses: the highest request rate the server
   sustains (completes >= 90% of the offered rate with TTFT p99 under a second).
 The client runs in this process on the same machine, so it competes with the server
-for the CPU: on a small machine the sustained rate is a floor.
+for the CPU: on a small machine the sustained rate is a floor. It stands for many users
+but connects from one address, so the servers let one client have as many requests in
+flight as the engine runs at once (`--max-inflight-per-client`; bench/fairness.py
+measures that limit's purpose).
 
 Prints a table, writes bench/results/serve.json and plots latency against request
 rate as a PNG. `--quick` shrinks everything (null executor) for a smoke test.
@@ -241,7 +244,8 @@ def main() -> None:
     if model_rates:
         engine = ["--max-num-seqs", "64", "--kv-cache-memory", str(KV_CACHE_MEMORY)]
         prompts = make_prompts(count, 16, 512, 49152)
-        with running_server([*engine, "--enable-admin-api"]) as server:
+        flags = [*engine, "--enable-admin-api", "--max-inflight-per-client", "64"]
+        with running_server(flags) as server:
             for rate in model_rates:
                 # Every rate sends the same prompts: each starts from an empty prefix
                 # cache, as the in-process engine below does.
@@ -261,7 +265,8 @@ def main() -> None:
         print(json.dumps(comparison))
 
     null_prompts = make_prompts(64, 16, 512, 250)
-    with running_server(["--executor", "null", "--max-num-seqs", "256"]) as server:
+    null = ["--executor", "null", "--max-num-seqs", "256", "--max-inflight-per-client", "256"]
+    with running_server(null) as server:
         for rate in null_rates:
             total = max(8, int(rate * null_seconds))
             prompts = [null_prompts[i % len(null_prompts)] for i in range(total)]

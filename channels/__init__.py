@@ -50,6 +50,7 @@ from .registry import (
 )
 from .sockets import open_pair, open_pub, open_pull, open_push, open_rep, open_req, open_sub
 from .streams import MessageReceiver, MessageSender, MessageStream
+from .tls import ChannelTLS
 
 __all__ = [
     "DEFAULT_MAX_DEPTH",
@@ -61,6 +62,7 @@ __all__ = [
     "WIRE_VERSION",
     "ChannelError",
     "ChannelKey",
+    "ChannelTLS",
     "Codec",
     "DecodeError",
     "EncodeError",

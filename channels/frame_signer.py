@@ -21,7 +21,8 @@ Theory of operation:
 What this protects against, and what it does not: anyone who can reach a socket but
 does not hold the key can neither inject, forge, splice nor replay a frame, nor end a
 stream. It does not hide what crosses the network (prompts and outputs travel in the
-clear over tcp: keep that traffic on a private network), nor does it stop a process
+clear over tcp: keep that traffic on a private network, or give the key TLS files,
+`with_tls`, which `sockets` applies to every tcp channel), nor does it stop a process
 that holds the key.
 """
 
@@ -35,6 +36,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from .errors import DecodeError
+from .tls import ChannelTLS
 
 KEY_SIZE = 32
 _ID_SIZE = 8
@@ -48,14 +50,20 @@ KEY_ENVIRONMENT = "WAVECORE_CHANNEL_KEY"
 
 
 class ChannelKey:
-    """A deployment's shared secret; `signer(name)` gives one end of channel `name`."""
+    """A deployment's shared secret; `signer(name)` gives one end of channel `name`.
+    It also carries this process's TLS files for tcp channels, if any (`tls`): the
+    credentials of a channel travel together to every process and every socket."""
 
-    __slots__ = ("_secret",)
+    __slots__ = ("_secret", "tls")
 
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, tls: ChannelTLS | None = None) -> None:
         if not isinstance(secret, bytes) or len(secret) < 16:
             raise ValueError("a channel key needs at least 16 bytes")
         self._secret = secret
+        self.tls = tls
+
+    def with_tls(self, tls: ChannelTLS | None) -> ChannelKey:
+        return ChannelKey(self._secret, tls)
 
     @classmethod
     def generate(cls) -> ChannelKey:
@@ -83,27 +91,32 @@ class ChannelKey:
     def hex(self) -> str:
         return self._secret.hex()
 
-    def signer(self, channel: str) -> FrameSigner:
-        derived = hashlib.blake2b(
+    def derived(self, channel: str) -> bytes:
+        """The key of channel `channel` alone (32 bytes), derived from the secret."""
+        return hashlib.blake2b(
             channel.encode(), key=self._secret, digest_size=32, person=b"wavecore-chan"
         ).digest()
-        return FrameSigner(derived)
+
+    def signer(self, channel: str) -> FrameSigner:
+        return FrameSigner(self.derived(channel), tls=self.tls)
 
     def __repr__(self) -> str:  # never the secret itself
         return "ChannelKey(...)"
 
     def __reduce__(self) -> tuple[object, ...]:
         # Pickled for spawned processes: it travels in multiprocessing's pipe, never argv.
-        return (ChannelKey, (self._secret,))
+        return (ChannelKey, (self._secret, self.tls))
 
 
 class FrameSigner:
     """One end of one channel: signs what it sends, verifies what it receives."""
 
-    __slots__ = ("_counter", "_key", "_last_seen", "_sender")
+    __slots__ = ("_counter", "_key", "_last_seen", "_sender", "tls")
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, *, tls: ChannelTLS | None = None) -> None:
         self._key = key
+        # The TLS files of this end's tcp socket (`sockets` applies them).
+        self.tls = tls
         self._sender = secrets.token_bytes(_ID_SIZE)
         self._counter = 0
         self._last_seen: OrderedDict[bytes, int] = OrderedDict()

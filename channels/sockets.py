@@ -7,7 +7,9 @@ for `tcp://host:0` it carries the port the kernel picked (read back from the lis
 so there is no pick-then-bind race).
 
 Authentication: every `open_*` takes `signer=` (`frame_signer`: one end of a channel,
-from the deployment's `ChannelKey`); a channel's ends must both sign or neither.
+from the deployment's `ChannelKey`); a channel's ends must both sign or neither. A
+signer whose key carries TLS files (`ChannelKey.with_tls`) also puts its `tcp://`
+channels on nng's `tls+tcp` transport (`tls`).
 
 Buffers (counted in frames, nng's unit): `recv_buffer_size` on receivers, and
 `max_batch_messages`/`max_batch_bytes` on senders, bound memory; see `streams`.
@@ -26,6 +28,7 @@ from .codec import Codec
 from .frame_signer import SIGNATURE_SIZE, FrameSigner
 from .nng_io import NngIO, bound_address
 from .streams import InvalidHandler, MessageReceiver, MessageSender, MessageStream, _FrameReader
+from .tls import ChannelTLS, secure_address
 
 DEFAULT_RECV_BUFFER = 64
 DEFAULT_MAX_BATCH_MESSAGES = 4096
@@ -33,14 +36,18 @@ DEFAULT_MAX_BATCH_BYTES = 4 * 1024 * 1024
 DEFAULT_LINGER = 2.0  # seconds aclose() may spend flushing before it drops what is left
 
 
-def _attach(socket: pynng.Socket, listen: str | None, dial: str | None) -> str:
+def _attach(
+    socket: pynng.Socket, listen: str | None, dial: str | None, signer: FrameSigner | None
+) -> str:
     if (listen is None) == (dial is None):
         socket.close()
         raise ValueError("give exactly one of listen= or dial=")
+    tls: ChannelTLS | None = signer.tls if signer is not None else None
     try:
         if listen is not None:
-            return bound_address(socket.listen(listen), listen)
-        socket.dial(dial, block=False)
+            listener = socket.listen(secure_address(socket, listen, tls, listen=True))
+            return bound_address(listener, listen)
+        socket.dial(secure_address(socket, dial, tls, listen=False), block=False)  # type: ignore[arg-type]
         return dial  # type: ignore[return-value]
     except pynng.NNGException as error:
         socket.close()
@@ -72,7 +79,7 @@ async def _sender(
     signer: FrameSigner | None,
 ) -> AsyncIterator[MessageSender]:
     codec = codec or Codec()
-    address = _attach(socket, listen, dial)
+    address = _attach(socket, listen, dial, signer)
     sender = MessageSender(
         NngIO(socket),
         codec,
@@ -161,7 +168,7 @@ async def _receiver(
         on_invalid=on_invalid,
         signer=signer,
     )
-    address = _attach(socket, listen, dial)
+    address = _attach(socket, listen, dial, signer)
     receiver = MessageReceiver(io, reader, address=address, topics=topics)
     try:
         yield receiver
@@ -247,7 +254,7 @@ async def _stream(
         request_reply=request_reply,
         signer=signer,
     )
-    address = _attach(socket, listen, dial)
+    address = _attach(socket, listen, dial, signer)
     stream = MessageStream(io, reader, codec, address=address, signer=signer)
     try:
         yield stream

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +28,9 @@ class EngineConfig:
     `executor="null"` swaps the model for a deterministic stand-in that costs no
     compute, for benchmarks and protocol tests; `null_repeat_period` makes its outputs
     cycle, as a model copying its input does (`NullExecutor(repeat_period=...)`), for
-    speculative decoding's tests and benchmarks. `kv_cache_memory` is a byte count, or
+    speculative decoding's tests and benchmarks; `null_step_seconds` makes each of its
+    steps last that long (`NullExecutor(step_seconds=...)`), a stand-in for a device
+    whose step time hardly depends on the batch. `kv_cache_memory` is a byte count, or
     a fraction in (0, 1] of the memory available on the device.
 
     `dp_size > 1` runs that many engine ranks in processes of their own behind one
@@ -69,6 +72,10 @@ class EngineConfig:
     end, the coordinator and the ranks is signed with (`engine/dp/channel_key.py`);
     without it (and without $WAVECORE_CHANNEL_KEY) each engine makes a key of its own,
     which headless ranks cannot know: they need the file or the variable.
+    `tls_cert_file`, `tls_key_file`, `tls_ca_file` (PEM, all three or none) put every tcp
+    channel on TLS (`channels/tls.py`): mutual, each end's certificate checked against
+    the CA, and a listener's against the host dialed or `tls_server_name`. Each process
+    names its own files; with transport="ipc" there is no tcp channel to protect.
 
     `weights="auto"` and `dtype="auto"` (the defaults), on the CPU: each shape class
     (batch-1 decode, small and large batches, prefill) runs the fastest of float32,
@@ -118,6 +125,7 @@ class EngineConfig:
     model: str | None = None
     executor: ExecutorKind = "model"
     null_repeat_period: int | None = None
+    null_step_seconds: float = 0.0
     device: Device = "auto"
     weights: Weights = "auto"
     dtype: DType = "auto"
@@ -150,6 +158,10 @@ class EngineConfig:
     heartbeat_timeout: float = 5.0
     restart_ranks: bool = False
     channel_key_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_server_name: str | None = None
     dp_backend: DPBackend = "mp"
     ray_address: str | None = None
     enable_lora: bool = False
@@ -191,6 +203,26 @@ class EngineConfig:
                 f"got {self.draft_weights!r}"
             )
 
+    def _check_tls(self) -> None:
+        names = ("tls_cert_file", "tls_key_file", "tls_ca_file", "tls_server_name")
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"EngineConfig.{name} must be a non-empty string or None")
+        given = [name for name in names[:3] if getattr(self, name) is not None]
+        if given and len(given) < 3:
+            raise ValueError(
+                "EngineConfig.tls_cert_file, tls_key_file and tls_ca_file go together; "
+                f"only {', '.join(given)} given"
+            )
+        if self.tls_server_name is not None and not given:
+            raise ValueError("EngineConfig.tls_server_name needs the TLS files")
+        if given and self.transport != "tcp":
+            raise ValueError(
+                "EngineConfig's TLS files protect tcp channels; transport is "
+                f"{self.transport!r} (use transport='tcp', --dp-master or headless ranks)"
+            )
+
     def __post_init__(self) -> None:
         if self.executor not in ("model", "null"):
             raise ValueError(
@@ -204,6 +236,15 @@ class EngineConfig:
             raise ValueError(
                 "EngineConfig.null_repeat_period must be None or a positive int, "
                 f"got {self.null_repeat_period!r}"
+            )
+        if (
+            isinstance(self.null_step_seconds, bool)
+            or not isinstance(self.null_step_seconds, int | float)
+            or not 0 <= self.null_step_seconds < math.inf
+        ):
+            raise ValueError(
+                "EngineConfig.null_step_seconds must be a finite number >= 0, "
+                f"got {self.null_step_seconds!r}"
             )
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(
@@ -266,6 +307,7 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.transport must be 'ipc' or 'tcp', got {self.transport!r}"
             )
+        self._check_tls()
         if self.dp_backend not in ("mp", "ray"):
             raise ValueError(
                 f"EngineConfig.dp_backend must be 'mp' or 'ray', got {self.dp_backend!r}"

@@ -49,6 +49,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         return EngineConfig(
             model=args.model,
             executor=args.executor,
+            # A benchmark knob `wavecore rank` does not take.
+            null_step_seconds=getattr(args, "null_step_ms", 0.0) / 1000,
             device=args.device,
             weights=args.weights,
             dtype=args.dtype,
@@ -68,6 +70,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             heartbeat_timeout=args.heartbeat_timeout,
             restart_ranks=getattr(args, "restart_ranks", False),
             channel_key_file=args.channel_key_file,
+            tls_cert_file=args.tls_cert,
+            tls_key_file=args.tls_key,
+            tls_ca_file=args.tls_ca,
+            tls_server_name=args.tls_server_name,
             log_iteration_details=args.log_iteration_details,
             enable_lora=args.enable_lora or bool(getattr(args, "lora_modules", None)),
             max_loras=args.max_loras,
@@ -75,9 +81,11 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             lora_modules=tuple(getattr(args, "lora_modules", None) or ()),
             dp_backend=backend,
             ray_address=getattr(args, "ray_address", None),
-            # Ranks started elsewhere (by hand, or by Ray) connect over tcp; the
-            # transport is not hashed.
-            transport="tcp" if getattr(args, "dp_master", None) or backend == "ray" else "ipc",
+            # Ranks started elsewhere (by hand, or by Ray), and a headless rank itself
+            # (`--master`), connect over tcp; the transport is not hashed.
+            transport="tcp"
+            if getattr(args, "dp_master", None) or backend == "ray" or getattr(args, "master", None)
+            else "ipc",
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
@@ -468,6 +476,18 @@ def _add_rank_behaviour_flags(group: argparse._ActionsContainer) -> None:
         "needed where ranks start elsewhere",
     )
     group.add_argument(
+        "--tls-cert", metavar="PEM", help="this process's certificate: tcp channels use TLS"
+    )
+    group.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    group.add_argument(
+        "--tls-ca", metavar="PEM", help="the CA every peer's certificate must come from"
+    )
+    group.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name every listener's certificate carries (default: the host dialed)",
+    )
+    group.add_argument(
         "--heartbeat-interval",
         type=float,
         default=1.0,
@@ -515,6 +535,12 @@ def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGro
         "--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)"
     )
     engine.add_argument("--executor", choices=["model", "null"], default="model")
+    engine.add_argument(
+        "--null-step-ms",
+        type=float,
+        default=0.0,
+        help="with --executor null: every step lasts this long, as a device's would",
+    )
     engine.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     engine.add_argument(
         "--weights",

@@ -152,6 +152,7 @@ class EngineCore:
             vocab_size=tokenizer.vocab_size,
             eos_token_id=tokenizer.eos_token_id,
             repeat_period=config.null_repeat_period,
+            step_seconds=config.null_step_seconds,
         )
         return cls(
             executor=executor,

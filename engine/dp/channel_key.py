@@ -18,13 +18,16 @@ Theory of operation:
 4. A rank's input listens in the rank and the front end dials it, at the address the
    rank's (signed) hello gives: had the front end listened, whoever connected to that
    socket would have been handed a share of the rank's requests.
+5. With TLS files in the config (`tls_cert_file`, ...), the key carries them
+   (`ChannelKey.with_tls`) and every tcp channel runs over TLS (`channels/tls.py`);
+   spawned processes get them with the key, headless ranks from their own flags.
 """
 
 from __future__ import annotations
 
 import os
 
-from wavecore.channels import KEY_ENVIRONMENT, ChannelKey
+from wavecore.channels import KEY_ENVIRONMENT, ChannelKey, ChannelTLS
 from wavecore.engine.config import EngineConfig
 
 RANK_HANDSHAKE = "rank handshake"
@@ -45,8 +48,13 @@ def rank_input(channel: str) -> str:
 
 
 def engine_channel_key(config: EngineConfig, *, headless: bool) -> ChannelKey:
-    """Rule 2: the key of this engine's channels; `headless` when some rank starts
-    elsewhere (or this is one). Raises ValueError naming what is wrong."""
+    """Rules 2 and 5: the key of this engine's channels, with its TLS files if any;
+    `headless` when some rank starts elsewhere (or this is one). Raises ValueError naming
+    what is wrong."""
+    return _shared_key(config, headless=headless).with_tls(_tls(config))
+
+
+def _shared_key(config: EngineConfig, *, headless: bool) -> ChannelKey:
     if config.channel_key_file is not None:
         return ChannelKey.load(config.channel_key_file)
     text = os.environ.get(KEY_ENVIRONMENT)
@@ -55,3 +63,14 @@ def engine_channel_key(config: EngineConfig, *, headless: bool) -> ChannelKey:
     if headless:
         raise ValueError(_NEEDS_KEY)
     return ChannelKey.generate()
+
+
+def _tls(config: EngineConfig) -> ChannelTLS | None:
+    if config.tls_cert_file is None or config.tls_key_file is None or config.tls_ca_file is None:
+        return None  # EngineConfig has all three or none
+    return ChannelTLS.load(
+        config.tls_cert_file,
+        config.tls_key_file,
+        config.tls_ca_file,
+        server_name=config.tls_server_name,
+    )

@@ -2,7 +2,8 @@
 
 Each engine hosts its own `TCPStore` (in the client, on 127.0.0.1 port 0) and every rank
 builds a `ProcessGroupGloo` over a `PrefixStore` of it, so several engines (and tests)
-coexist on one machine without touching torch's global default group.
+coexist on one machine without touching torch's global default group. Ranks reach the
+store through `SignedStore` (`signed_store`): what a stranger writes there is refused.
 
 One collective, one layout: every vote and every resume barrier is a single MAX
 all-reduce of
@@ -28,6 +29,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from wavecore.channels import ChannelKey
+from wavecore.engine.dp.signed_store import open_group_store
 
 _SYNC, _BARRIER = 1, 2
 
@@ -82,14 +86,17 @@ class DPGroup:
         rank: int,
         size: int,
         timeout_s: float,
+        key: ChannelKey,
         rendezvous_timeout_s: float | None = None,
     ) -> DPGroup:
         """Wait up to `rendezvous_timeout_s` (default `timeout_s`) for every member to
         reach the store (ranks load their models at their own pace); then every
         collective of the group fails after `timeout_s` (`EngineConfig.collective_timeout`)
-        if a peer never joins it."""
+        if a peer never joins it. `key`: the engine's channel key, which signs the store."""
         rendezvous = timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s
-        store = dist.TCPStore(host, port, size + 1, False, timeout=timedelta(seconds=rendezvous))
+        store = open_group_store(
+            host, port, size=size, timeout=timedelta(seconds=rendezvous), key=key
+        )
         # Every member reaches the store first, so that the group's connection (bounded
         # by its own, shorter timeout) never waits for a peer still loading its model.
         arrived = dist.PrefixStore(f"{prefix}/arrived", store)

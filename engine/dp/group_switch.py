@@ -15,7 +15,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from wavecore.channels import ChannelKey
 from wavecore.engine.dp.collective import DPGroup
+from wavecore.engine.dp.signed_store import open_group_store
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,9 +38,10 @@ def join_and_agree(
     running: bool,
     wave: int,
     step_counter: int,
+    key: ChannelKey,
 ) -> tuple[DPGroup, GroupAgreement]:
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, size + 1, False, timeout=timeout)
+    store = open_group_store(host, port, size=size, timeout=timeout, key=key)
     group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timeout)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MAX

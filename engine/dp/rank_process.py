@@ -91,6 +91,11 @@ _DEPLOYMENT_FIELDS = frozenset(
         "dp_backend",
         "ray_address",
         "channel_key_file",
+        # Each process names its own certificate files.
+        "tls_cert_file",
+        "tls_key_file",
+        "tls_ca_file",
+        "tls_server_name",
         "lora_modules",
     }
 )
@@ -226,6 +231,7 @@ async def _run_rank(
                                 size=assignment.dp_size,
                                 rendezvous_timeout_s=config.startup_timeout,
                                 timeout_s=assignment.collective_timeout_s,
+                                key=key,
                             )
                         )
                 except Exception as error:
@@ -272,7 +278,7 @@ async def _run_rank(
                     outputs=outputs,
                     coordinator=coordinator,
                     on_invalid=invalid.unexpected,
-                    join_group=_group_joiner(assignment) if assignment.lockstep else None,
+                    join_group=_group_joiner(assignment, key) if assignment.lockstep else None,
                     survive_lost_group=config.on_rank_failure == "shrink",
                     member=assignment.member,
                     dropped_frames=lambda: invalid_frame_counts((invalid, invalid_waves)),
@@ -305,8 +311,9 @@ def _share_cpu_threads(dp_size: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dp_size))
 
 
-def _group_joiner(assignment: m.RankAssignment) -> GroupJoiner:
-    """How this rank joins the group a scale switches to (over the client's store)."""
+def _group_joiner(assignment: m.RankAssignment, key: ChannelKey) -> GroupJoiner:
+    """How this rank joins the group a scale switches to (over the client's store,
+    signed with `key`)."""
     # Imported now, not at the switch: the import takes seconds on a busy machine, which
     # would count against the collective timeout of every member waiting for this one.
     from wavecore.engine.dp.group_switch import join_and_agree
@@ -324,6 +331,7 @@ def _group_joiner(assignment: m.RankAssignment) -> GroupJoiner:
             running=running,
             wave=wave,
             step_counter=step_counter,
+            key=key,
         )
         return group, (agreed.running, agreed.wave, agreed.step_counter)
 

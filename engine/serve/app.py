@@ -58,7 +58,8 @@ def build_app(state: ServerState) -> Starlette:
                 stats = await ready.engine.stats()
             except EngineError as error:
                 raise state.error_of(error) from None
-        return Response(state.metrics.exposition(stats), media_type=CONTENT_TYPE_LATEST)
+        exposition = state.metrics.exposition(stats, fair_queued=state.fair.queued)
+        return Response(exposition, media_type=CONTENT_TYPE_LATEST)
 
     async def api_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, APIError)  # registered for APIError only

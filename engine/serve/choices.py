@@ -2,8 +2,9 @@
 
 A request becomes one `Choice` per prompt and per `n`, each tokenized and validated
 before anything runs (a bad prompt is a 400 before a 200 was sent). Each choice runs
-in a task of its own that owns its `engine.generate` iterator, so cancelling the task
-(the client went away, the response is done) leaves the iterator in that same task,
+in a task of its own that first waits for its client's turn (`fairness`), then owns its
+`engine.generate` iterator, so cancelling the task (the client went away, the response
+is done) takes it out of the fair queue, or leaves the iterator in that same task,
 which aborts the request on its rank. Tasks report `ChoiceEvent`s into one stream.
 """
 
@@ -21,10 +22,12 @@ from wavecore.engine.errors import EngineError, InvalidRequestError, PromptTooLo
 from wavecore.engine.outputs import CompletionDelta
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.serve.errors import APIError
+from wavecore.engine.serve.fairness import AdmissionClosedError
 from wavecore.engine.serve.parsing import GenerationCall
 from wavecore.engine.serve.state import ReadyEngine, ServerState
 
 _MAX_SEED = 2**63
+_SHUTTING_DOWN = APIError(503, "the server is shutting down", code="shutting_down")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,45 +102,82 @@ def _seeded(params: SamplingParams, sample: int) -> SamplingParams:
 
 
 async def run_choices(
-    state: ServerState, ready: ReadyEngine, choices: Sequence[Choice], events: ObjectSendStream
+    state: ServerState,
+    ready: ReadyEngine,
+    client: str,
+    choices: Sequence[Choice],
+    events: ObjectSendStream,
 ) -> None:
-    """Run every choice at once, reporting into `events` (closed when all ended)."""
+    """Run every choice of `client`'s call as fair admission lets them in, reporting into
+    `events` (closed when all ended). The choices were reserved (`FairAdmission.reserve`)."""
     async with events, anyio.create_task_group() as tg:
         for choice in choices:
-            tg.start_soon(_run_choice, state, ready, choice, events.clone())
+            tg.start_soon(_run_choice, state, ready, client, choice, events.clone())
+
+
+@dataclass(slots=True)
+class _Progress:
+    """One choice's clock, and whether it still waits for its first token."""
+
+    start: float
+    last: float
+    waiting: bool = True
 
 
 async def _run_choice(
-    state: ServerState, ready: ReadyEngine, choice: Choice, events: ObjectSendStream
+    state: ServerState,
+    ready: ReadyEngine,
+    client: str,
+    choice: Choice,
+    events: ObjectSendStream,
+) -> None:
+    now = time.perf_counter()
+    progress = _Progress(start=now, last=now)
+    try:
+        async with events:
+            try:
+                async with state.fair.slot(client):
+                    await _generate_choice(state, ready, choice, events, progress)
+            except AdmissionClosedError:
+                await events.send(ChoiceEvent(choice.index, error=_SHUTTING_DOWN))
+    finally:
+        # Still waiting: for its turn (cancelled in the fair queue) or its first token.
+        if progress.waiting:
+            state.waiting -= 1
+
+
+async def _generate_choice(
+    state: ServerState,
+    ready: ReadyEngine,
+    choice: Choice,
+    events: ObjectSendStream,
+    progress: _Progress,
 ) -> None:
     metrics = state.metrics
-    start = last = time.perf_counter()
-    waiting = True
     state.in_flight.add(choice.request_id)
-    async with events:
-        try:
-            async for delta in ready.engine.generate(
-                list(choice.prompt_token_ids),
-                choice.params,
-                request_id=choice.request_id,
-                lora=choice.lora,
-            ):
-                now = time.perf_counter()
-                if delta.token_ids:
-                    if waiting:
-                        waiting = False
-                        state.waiting -= 1
-                        metrics.first_token(now - start)
-                    else:
-                        metrics.next_tokens(now - last)
-                    last = now
-                    metrics.generated(len(delta.token_ids))
-                if delta.finish_reason is not None:
-                    metrics.finished(delta.finish_reason, delta.usage.prompt_tokens, now - start)
-                await events.send(ChoiceEvent(choice.index, delta=delta))
-        except EngineError as error:
-            await events.send(ChoiceEvent(choice.index, error=state.error_of(error)))
-        finally:
-            state.in_flight.discard(choice.request_id)
-            if waiting:
-                state.waiting -= 1
+    try:
+        async for delta in ready.engine.generate(
+            list(choice.prompt_token_ids),
+            choice.params,
+            request_id=choice.request_id,
+            lora=choice.lora,
+        ):
+            now = time.perf_counter()
+            if delta.token_ids:
+                if progress.waiting:
+                    progress.waiting = False
+                    state.waiting -= 1
+                    metrics.first_token(now - progress.start)
+                else:
+                    metrics.next_tokens(now - progress.last)
+                progress.last = now
+                metrics.generated(len(delta.token_ids))
+            if delta.finish_reason is not None:
+                metrics.finished(
+                    delta.finish_reason, delta.usage.prompt_tokens, now - progress.start
+                )
+            await events.send(ChoiceEvent(choice.index, delta=delta))
+    except EngineError as error:
+        await events.send(ChoiceEvent(choice.index, error=state.error_of(error)))
+    finally:
+        state.in_flight.discard(choice.request_id)

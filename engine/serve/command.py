@@ -59,6 +59,25 @@ def add_serve_parser(
         metavar="SECONDS",
         help="a request body not all there this long after its headers is a 408",
     )
+    http.add_argument(
+        "--max-inflight",
+        type=int,
+        help="engine requests admitted at once, all clients together; the rest wait at the "
+        "server and are admitted round-robin across clients (default: --max-num-seqs x --dp)",
+    )
+    http.add_argument(
+        "--max-inflight-per-client",
+        type=int,
+        help="engine requests one client may have admitted at once "
+        "(default: 3/4 of --max-inflight, leaving the rest for other clients)",
+    )
+    http.add_argument(
+        "--max-queued-per-client",
+        type=int,
+        default=256,
+        help="engine requests one client may have waiting at the server; a call past it is "
+        "a 429 with Retry-After",
+    )
     http.add_argument("--served-model-name", help="the `model` clients name (default: --model's)")
     add_engine_flags(serve)
 
@@ -76,6 +95,9 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
             max_request_bytes=args.max_request_bytes,
             max_requests_per_call=args.max_requests_per_call,
             body_timeout=args.body_timeout,
+            max_inflight=args.max_inflight,
+            max_inflight_per_client=args.max_inflight_per_client,
+            max_queued_per_client=args.max_queued_per_client,
         )
     except ValueError as error:
         raise UsageError(str(error)) from None

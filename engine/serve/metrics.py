@@ -240,6 +240,18 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self._fair_queued = Gauge(
+            "wavecore:http_requests_queued",
+            "Engine requests the server holds back for their client's turn (fair admission).",
+            ["model_name"],
+            registry=self.registry,
+        )
+        self._client_limited = Counter(
+            "wavecore:http_client_limited",
+            "Calls refused with 429: their client had too much outstanding.",
+            ["model_name"],
+            registry=self.registry,
+        )
         self._engine_counters = _EngineCounters(model_name)
         self.registry.register(self._engine_counters)
         self._dropped_frames = _DroppedFrames(model_name)
@@ -280,8 +292,13 @@ class ServerMetrics:
         self._prompt_tokens.labels(self._model).inc(prompt_tokens)
         self._e2e.labels(self._model).observe(seconds)
 
-    def exposition(self, stats: EngineStats | None) -> bytes:
-        """The text format, with the scheduler gauges taken from `stats` (none without)."""
+    def client_limited(self) -> None:
+        self._client_limited.labels(self._model).inc()
+
+    def exposition(self, stats: EngineStats | None, *, fair_queued: int = 0) -> bytes:
+        """The text format, with the scheduler gauges taken from `stats` (none without)
+        and the requests fair admission holds back."""
+        self._fair_queued.labels(self._model).set(fair_queued)
         gauges = (
             self._running,
             self._waiting,

@@ -20,6 +20,7 @@ from wavecore.engine.errors import InvalidRequestError
 from wavecore.engine.serve.bodies import read_json
 from wavecore.engine.serve.choices import Choice, ChoiceEvent, prepare_choices, run_choices
 from wavecore.engine.serve.errors import APIError, bad_field
+from wavecore.engine.serve.fairness import client_key
 from wavecore.engine.serve.formatting import (
     SSE_DONE,
     ChoiceResult,
@@ -90,11 +91,26 @@ async def _generate(state: ServerState, request: Request, kind: CallKind) -> Res
             raise bad_field(call.structured_field or "structured_outputs", str(error)) from None
     call_id = f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}"
     choices = prepare_choices(ready, call, call_id)
-    state.admit(len(choices))
+    client = client_key(
+        request.client.host if request.client else None,
+        call.user,
+        authenticated=options.api_key is not None,
+    )
+    try:
+        state.fair.reserve(client, len(choices))
+    except APIError as error:
+        if error.status == 429:
+            state.metrics.client_limited()
+        raise
+    try:
+        state.admit(len(choices))
+    except APIError:
+        state.fair.release_reservation(client, len(choices))
+        raise
     header = Header(id=call_id, kind=kind, created=int(time.time()), model=state.options.model_name)
     if call.stream:
-        return _EventStream(state, ready, call, header, choices)
-    return JSONResponse(await _whole(state, request, ready, call, header, choices))
+        return _EventStream(state, ready, call, header, client, choices)
+    return JSONResponse(await _whole(state, request, ready, call, header, client, choices))
 
 
 async def _whole(
@@ -103,13 +119,14 @@ async def _whole(
     ready: ReadyEngine,
     call: GenerationCall,
     header: Header,
+    client: str,
     choices: Sequence[Choice],
 ) -> dict[str, object]:
     results = [ChoiceResult() for _ in choices]
     failure: APIError | None = None
     send, receive = anyio.create_memory_object_stream[ChoiceEvent](math.inf)
     async with anyio.create_task_group() as tg, receive:
-        tg.start_soon(run_choices, state, ready, choices, send)
+        tg.start_soon(run_choices, state, ready, client, choices, send)
         tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
         async for event in receive:
             if event.error is not None:
@@ -147,9 +164,11 @@ class _EventStream(Response):
         ready: ReadyEngine,
         call: GenerationCall,
         header: Header,
+        client: str,
         choices: Sequence[Choice],
     ) -> None:
         super().__init__(media_type=self.media_type)
+        self._client = client
         self._state = state
         self._ready = ready
         self._call = call
@@ -159,7 +178,9 @@ class _EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         send_events, receive_events = anyio.create_memory_object_stream[ChoiceEvent]()
         async with anyio.create_task_group() as tg, receive_events:
-            tg.start_soon(run_choices, self._state, self._ready, self._choices, send_events)
+            tg.start_soon(
+                run_choices, self._state, self._ready, self._client, self._choices, send_events
+            )
             stream = StreamingResponse(
                 self._chunks(receive_events),
                 media_type=self.media_type,

@@ -25,6 +25,12 @@ class ServeOptions:
     # Engine requests one call may ask for (prompts x n), and how long a body may take.
     max_requests_per_call: int = 64
     body_timeout: float = 30.0
+    # Fair admission (`fairness`): engine requests admitted at once in all (None: the
+    # sequences the engine runs at once), per client (None: 3/4 of that), and queued
+    # per client before a 429.
+    max_inflight: int | None = None
+    max_inflight_per_client: int | None = None
+    max_queued_per_client: int = 256
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -42,6 +48,16 @@ class ServeOptions:
         if self.max_requests_per_call < 1:
             raise ValueError(
                 f"--max-requests-per-call must be >= 1, got {self.max_requests_per_call}"
+            )
+        for flag, value in (
+            ("--max-inflight", self.max_inflight),
+            ("--max-inflight-per-client", self.max_inflight_per_client),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.max_queued_per_client < 0:
+            raise ValueError(
+                f"--max-queued-per-client must be >= 0, got {self.max_queued_per_client}"
             )
         if not self.body_timeout > 0:
             raise ValueError(f"--body-timeout must be > 0, got {self.body_timeout}")

@@ -70,6 +70,8 @@ class GenerationCall:
     structured_field: str | None = None
     # The LoRA adapter the `model` field named (None: the base model).
     lora: str | None = None
+    # OpenAI's end-user name: who the call counts against, when authenticated.
+    user: str | None = None
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -89,7 +91,7 @@ def parse_call(
 ) -> GenerationCall:
     lora = _model_or_lora(body, model_name, loras)
     _check_unsupported(body)
-    _optional_str(body, "user")
+    user = _optional_str(body, "user")
     stream = _bool(body, "stream", default=False)
     include_usage = _stream_options(body, stream)
     if kind == "completion":
@@ -125,6 +127,7 @@ def parse_call(
         logprobs=wanted_logprobs is not None,
         structured_field=structured_field,
         lora=lora,
+        user=user,
     )
 
 
@@ -368,7 +371,8 @@ def _number(body: Mapping[str, Any], name: str) -> float | None:
     return float(value)
 
 
-def _optional_str(body: Mapping[str, Any], name: str) -> None:
+def _optional_str(body: Mapping[str, Any], name: str) -> str | None:
     value = body.get(name)
     if value is not None and not isinstance(value, str):
         raise bad_field(name, f"must be a string, got {json.dumps(value)}")
+    return value

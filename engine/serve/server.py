@@ -110,7 +110,7 @@ async def _run_engine(
     cannot start stops the server: there is nothing it could ever serve."""
     try:
         async with open_engine(config) as engine:
-            state.set_ready(engine)
+            state.set_ready(engine, max_num_seqs=config.max_num_seqs)
             announce(f"ready: {state.options.model_name} on {engine.dp_size} data-parallel rank(s)")
             await http_done.wait()
     except Exception as error:

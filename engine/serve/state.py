@@ -1,6 +1,6 @@
 """What every route shares: the engine once it is ready, whether it died, how many
-requests wait for their first token (load shedding), and which are in flight (so a
-shutdown past its timeout can abort them)."""
+requests wait for their first token (load shedding), the fair admission of clients'
+requests, and which are in flight (so a shutdown past its timeout can abort them)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from wavecore.engine.frontend.engine import FrontEnd
 from wavecore.engine.frontend.input_processor import InputProcessor
 from wavecore.engine.interface import Engine
 from wavecore.engine.serve.errors import APIError
+from wavecore.engine.serve.fairness import FairAdmission
 from wavecore.engine.serve.metrics import ServerMetrics
 from wavecore.engine.serve.options import ServeOptions
 
@@ -57,9 +58,26 @@ class ServerState:
         self.dead: EngineDeadError | None = None
         self.waiting = 0
         self.in_flight: set[str] = set()
+        self.fair = FairAdmission(
+            self._capacity,
+            per_client=options.max_inflight_per_client,
+            queue_per_client=options.max_queued_per_client,
+        )
+        self._max_num_seqs = 1
 
-    def set_ready(self, engine: Engine) -> None:
+    def set_ready(self, engine: Engine, *, max_num_seqs: int) -> None:
+        """`max_num_seqs`: the sequences one rank runs at once (with the dp size, what
+        fair admission lets into the engine by default)."""
         self._ready = ReadyEngine(engine)
+        self._max_num_seqs = max_num_seqs
+
+    def _capacity(self) -> int:
+        """Engine requests admitted at once: `--max-inflight`, else what the engine runs
+        at once at its current dp size (a scale changes it)."""
+        if self.options.max_inflight is not None:
+            return self.options.max_inflight
+        dp_size = self._ready.engine.dp_size if self._ready is not None else 1
+        return self._max_num_seqs * dp_size
 
     def serving(self) -> ReadyEngine | None:
         """The engine if it is loaded and alive."""
@@ -118,7 +136,9 @@ class ServerState:
         self.waiting += count
 
     async def abort_in_flight(self) -> int:
-        """Abort every request still running; they end with finish reason "abort"."""
+        """Abort every request still running; they end with finish reason "abort". Those
+        still waiting for their client's turn never start (503, shutting down)."""
+        self.fair.close()
         if self._ready is None:
             return 0
         aborted = 0

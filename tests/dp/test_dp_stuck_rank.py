@@ -25,6 +25,7 @@ from dp_helpers import (
     wiring_of,
 )
 
+from wavecore.channels import ChannelKey
 from wavecore.engine.api import open_dp_engine
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
@@ -56,6 +57,7 @@ def test_collective_timeout_is_validated() -> None:
 
 def test_a_vote_a_peer_never_joins_fails_naming_the_rank_and_its_peers() -> None:
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    key = ChannelKey.generate()
     results: list[Any] = [None, None]
     rank_one_done = threading.Event()
 
@@ -68,6 +70,7 @@ def test_a_vote_a_peer_never_joins_fails_naming_the_rank_and_its_peers() -> None
             size=2,
             timeout_s=1.0,
             rendezvous_timeout_s=20.0,
+            key=key,
         )
         if rank == 1:
             rank_one_done.wait(30)  # joins the group, never the vote

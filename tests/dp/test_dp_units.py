@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from wavecore.channels import ChannelKey
 from wavecore.engine.dp.collective import CollectiveMismatchError, DPGroup, GroupAbortedError
 from wavecore.engine.frontend.load_balancer import LoadBalancer
 from wavecore.statemachines.errors import LockstepDriftError
@@ -19,11 +20,18 @@ from wavecore.statemachines.rank_events import RequestArrived, StepDone, SyncDon
 def _in_two_ranks(calls: list[Any], timeout_s: float = 20) -> list[Any]:
     """Run `calls[r](group)` in a thread per rank of a fresh two-rank group."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    key = ChannelKey.generate()
     results: list[Any] = [None, None]
 
     def rank_thread(rank: int) -> None:
         group = DPGroup.join(
-            host="127.0.0.1", port=store.port, prefix="unit", rank=rank, size=2, timeout_s=timeout_s
+            host="127.0.0.1",
+            port=store.port,
+            prefix="unit",
+            rank=rank,
+            size=2,
+            timeout_s=timeout_s,
+            key=key,
         )
         try:
             results[rank] = calls[rank](group)

@@ -56,7 +56,7 @@ async def served(
     )
     state = ServerState(ServeOptions(model_name="tiny", enable_admin_api=True))
     async with open_engine_core(functools.partial(build_lora_core, config), config=config) as e:
-        state.set_ready(e)
+        state.set_ready(e, max_num_seqs=config.max_num_seqs)
         transport = httpx.ASGITransport(app=build_app(state))
         async with (
             httpx.AsyncClient(transport=transport, base_url="http://serve") as http,

@@ -55,7 +55,7 @@ async def dying() -> AsyncIterator[tuple[ServerState, ControlledExecutor]]:
     executor = ControlledExecutor()
     state = ServerState(OPTIONS)
     async with open_engine_core(functools.partial(core_with, executor)) as engine:
-        state.set_ready(engine)
+        state.set_ready(engine, max_num_seqs=8)
         yield state, executor
 
 

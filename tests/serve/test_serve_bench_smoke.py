@@ -26,3 +26,21 @@ def test_serve_benchmark_quick_run_writes_json_and_plot(tmp_path: Path) -> None:
     assert all(row["failures"] == 0 for row in result["rows"])
     assert all(row["output_tokens_per_s"] > 0 for row in result["rows"])
     assert output.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.soak  # bench smoke runs are in `make soak` (make test's time budget)
+def test_fairness_benchmark_quick_run_writes_json(tmp_path: Path) -> None:
+    output = tmp_path / "fairness.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "fairness.py"), "--quick", "--output", str(output)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    result = json.loads(output.read_text())
+    assert [row["admission"] for row in result["rows"]] == [
+        "fair (defaults)",
+        "first come, first served",
+    ]
+    assert all(row["idle_p50_ms"] > 0 and row["heavy_tokens_per_s"] > 0 for row in result["rows"])
+    assert result["machine"]["cpu"]

@@ -27,6 +27,10 @@ def test_a_port_in_use_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> N
         (["--shutdown-timeout", "-2"], "--shutdown-timeout must be >= 0"),
         (["--api-key", ""], "--api-key must not be empty"),
         (["--max-num-seqs", "0"], "max_num_seqs must be a positive int"),
+        (["--max-inflight", "0"], "--max-inflight must be >= 1, got 0"),
+        (["--max-inflight-per-client", "0"], "--max-inflight-per-client must be >= 1"),
+        (["--max-queued-per-client", "-1"], "--max-queued-per-client must be >= 0"),
+        (["--null-step-ms", "-5"], "null_step_seconds must be a finite number >= 0"),
     ],
 )
 def test_bad_flags_are_named(
