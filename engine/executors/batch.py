@@ -40,6 +40,9 @@ class SequenceChunk:
     chunk): how many drafts the executor proposes after sampling it, for the tokens
     that follow what the chunk's samples emit (the drafts accepted, then the token
     sampled after them). The block table covers that many positions past the chunk.
+    `draft_start_pos`: where the draft model's run of this chunk starts (its KV for
+    the request is valid before it; positions before `start_pos` are read from
+    `all_token_ids`), or None when the draft model sits this step out.
 
     `lora` names the LoRA adapter the request runs under (None: the base model); the
     executor holds the adapter (`Executor` implementations without adapters refuse it).
@@ -55,6 +58,7 @@ class SequenceChunk:
     prompt_len: int
     num_draft_tokens: int = 0
     num_lookahead_tokens: int = 0
+    draft_start_pos: int | None = None
     lora: str | None = None
 
     @property

@@ -11,8 +11,8 @@ Theory of operation:
 2. Following the target (`follow`, after each step's sampling). The draft runs, in
    one forward, every token the step computed and kept: a prefill chunk's tokens, a
    decode's token and its accepted drafts (`accepted_drafts`; the rejected ones are
-   not run). So its cache holds valid KV for every position below a request's
-   computed tokens, written where the target's is, with no bookkeeping of its own.
+   not run). So its cache holds valid KV for a request's positions, written where the
+   target's is; the scheduler tracks up to where (`draft_start_pos`, rule 4).
 3. Proposals. A sampling chunk that asks for `num_lookahead_tokens` adds the token
    the step sampled after its kept tokens to that forward, at its position; the
    argmax there is the first draft, which the next forward runs at the next position,
@@ -20,10 +20,17 @@ Theory of operation:
    forwards of the draft a step, the first also doing rule 2's work). They write KV
    at the k positions from the sampled token's on, which the scheduler added blocks
    for (the lookahead); what the target keeps of them the next step writes again.
-4. Greedy drafts are exact for every request, sampled ones too: the scheduler's
+4. Only when it may draft. In a step where no request may be asked for drafts (the
+   step holds more requests than `speculative_token_budget` allows drafts for), the
+   draft does not run at all: at large batches it costs nothing. Each chunk says
+   where the draft's KV for its request stops (`draft_start_pos`): after steps it sat
+   out, or for a request just admitted (its prefix-cache blocks may have been
+   computed in such a step), the draft's first pass runs the tokens it lacks from
+   there (read from the chunk's `all_token_ids`) before the chunk's own.
+5. Greedy drafts are exact for every request, sampled ones too: the scheduler's
    verification samples each position as plain decoding would and accepts a draft
    only where it equals that sample (`engine/scheduler/speculative.py`, rule 2).
-5. The draft follows the target's sleeps, wakes and cache resets. Weight updates
+6. The draft follows the target's sleeps, wakes and cache resets. Weight updates
    change the target only: the draft proposes from its own weights, so acceptance may
    change, never the outputs.
 """
@@ -127,9 +134,16 @@ class DraftModel:
         for chunk in chunks:
             tokens = chunk.token_ids
             kept = len(tokens) - chunk.num_draft_tokens
+            samples: Sequence[SampledToken] = ()
             if chunk.sample:
                 samples = sampled[row : row + chunk.num_samples]
                 row += chunk.num_samples
+            start = chunk.draft_start_pos
+            if start is None:
+                continue  # the draft sits this step out (rule 4)
+            # What its KV lacks before this chunk, then what this chunk keeps.
+            behind = list(chunk.all_token_ids[start : chunk.start_pos])
+            if samples:
                 accepted = accepted_drafts(tokens[kept:], samples)
                 kept += accepted
                 position = chunk.start_pos + kept
@@ -137,11 +151,12 @@ class DraftModel:
                 count = min(chunk.num_lookahead_tokens, room)
                 if count > 0:
                     drafting.append((chunk.request_id, position, count))
-                    tokens = (*tokens[:kept], samples[accepted].token_id)
-                    first.append(_pass_chunk(chunk, tokens, chunk.start_pos, sample=True))
+                    run = (*behind, *tokens[:kept], samples[accepted].token_id)
+                    first.append(_pass_chunk(chunk, run, start, sample=True))
                     continue
-            if kept:
-                first.append(_pass_chunk(chunk, tokens[:kept], chunk.start_pos, sample=False))
+            if behind or kept:
+                run = (*behind, *tokens[:kept])
+                first.append(_pass_chunk(chunk, run, start, sample=False))
         proposals: dict[str, list[int]] = {request_id: [] for request_id, _, _ in drafting}
         by_id = {chunk.request_id: chunk for chunk in chunks}
         passes = first

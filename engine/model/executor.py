@@ -225,6 +225,11 @@ class ModelExecutor:
         self._draft: Drafter | None = None
         self._closed = False
 
+    @property
+    def draft(self) -> Drafter | None:
+        """The draft model attached (`attach_draft`), if any."""
+        return self._draft
+
     def attach_draft(self, draft: Drafter) -> None:
         """Speculative decoding with a draft model: `draft` follows every step after its
         sampling and proposes (`draft_model.py`); it sleeps and wakes with this

@@ -46,6 +46,7 @@ _new = object.__new__
     _chunk_prompt_len,
     _chunk_drafts,
     _chunk_lookahead,
+    _chunk_draft_start,
     _chunk_lora,
 ) = _slot_setters(
     SequenceChunk,
@@ -60,6 +61,7 @@ _new = object.__new__
         "prompt_len",
         "num_draft_tokens",
         "num_lookahead_tokens",
+        "draft_start_pos",
         "lora",
     ),
 )
@@ -77,6 +79,7 @@ def build_chunk(
     num_draft_tokens: int = 0,
     lora: str | None = None,
     num_lookahead_tokens: int = 0,
+    draft_start_pos: int | None = None,
 ) -> SequenceChunk:
     chunk = _new(SequenceChunk)
     _chunk_id(chunk, request_id)
@@ -89,6 +92,7 @@ def build_chunk(
     _chunk_prompt_len(chunk, prompt_len)
     _chunk_drafts(chunk, num_draft_tokens)
     _chunk_lookahead(chunk, num_lookahead_tokens)
+    _chunk_draft_start(chunk, draft_start_pos)
     _chunk_lora(chunk, lora)
     return chunk
 

@@ -45,13 +45,16 @@ class Request:
     prefix-cache hash chain, so that it shares blocks only with requests of its adapter.
     With a draft model, `draft_token_ids` are the executor's proposals for the tokens
     after `token_ids` (set by each update that samples it, so they always follow the
-    current tokens), and `drafts_coming` says its last sampling chunk asked for them.
+    current tokens), `drafts_coming` says its last sampling chunk asked for them, and
+    the draft model's KV for it is valid below `draft_computed` (it sits out steps in
+    which no request may draft, and catches up in the next one it runs).
     """
 
     __slots__ = (
         "backoff",
         "block_hashes",
         "block_table",
+        "draft_computed",
         "draft_token_ids",
         "drafts_coming",
         "grammar",
@@ -93,6 +96,7 @@ class Request:
         self.num_computed_tokens = 0
         self.draft_token_ids: list[int] = []
         self.drafts_coming = False
+        self.draft_computed = 0
         stops = set(sampling.stop_token_ids)
         if eos_token_id is not None and not sampling.ignore_eos:
             stops.add(eos_token_id)

@@ -62,7 +62,11 @@ Theory of operation:
   added for the KV the draft writes at those positions, taken only while a free
   block per running request remains (never by preempting); `update()` keeps what
   comes back (`Request.draft_token_ids`) for the request's next decode, and under
-  async scheduling such a request sits out the step scheduled meanwhile.
+  async scheduling such a request sits out the step scheduled meanwhile. The draft
+  model runs only in steps where drafts may be asked for: each chunk then tells it
+  where its KV for the request stops (`draft_start_pos`, from `Request.
+  draft_computed`: 0 after an admission, behind after steps it sat out), so it
+  catches up; at large batches, where no request drafts, it costs nothing.
 - LoRA adapters (`config.max_loras`): a request names its adapter, or none for the
   base model. The running requests' distinct adapters and the pinned ones are at most
   `max_loras` (the executor's device slots); a waiting request whose adapter would be
@@ -419,6 +423,7 @@ class Scheduler:
             lookahead = self._lookahead(request, end) if sample and lookahead_wanted else 0
             if sample:
                 request.drafts_coming = lookahead > 0
+            draft_start = self._draft_start(request, end) if lookahead_wanted else None
             chunks.append(
                 build_chunk(
                     request.request_id,
@@ -432,6 +437,7 @@ class Scheduler:
                     num_drafts,
                     request.lora,
                     lookahead,
+                    draft_start,
                 )
             )
             requests.append(request)
@@ -494,6 +500,7 @@ class Scheduler:
                 request.num_computed_tokens = min(
                     request.num_computed_tokens, len(request.token_ids) - 1
                 )
+                request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
             if caching and request.num_computed_tokens // block_size > len(request.block_hashes):
                 self._cache_blocks(request)
             if update.finish_reason is not None:
@@ -582,6 +589,15 @@ class Scheduler:
         block_manager.append(table, end + count)
         return count
 
+    @staticmethod
+    def _draft_start(request: Request, end: int) -> int:
+        """Where the draft model's run of a chunk of `request` ending at `end` starts
+        (its KV is valid before it); the draft is then valid up to `end`, less any
+        rejected drafts (`update`)."""
+        start = request.draft_computed
+        request.draft_computed = end
+        return start
+
     def _drafts(self, request: Request, room: int) -> list[int]:
         """Drafts for a decode of `request`: proposed (or taken from the draft model),
         then cut to `room`, to what its length allows, to what its grammar accepts and
@@ -663,6 +679,8 @@ class Scheduler:
             num_sampled += sample
             lookahead = self._lookahead(request, end) if sample and lookahead_wanted else 0
             request.drafts_coming = lookahead > 0
+            request.draft_computed = 0  # the blocks' draft KV is unknown: run it all
+            draft_start = self._draft_start(request, end) if lookahead_wanted else None
             chunks.append(
                 build_chunk(
                     request.request_id,
@@ -676,6 +694,7 @@ class Scheduler:
                     0,
                     request.lora,
                     lookahead,
+                    draft_start,
                 )
             )
             requests.append(request)

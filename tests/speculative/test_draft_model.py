@@ -68,9 +68,10 @@ def engine(models: dict[str, str], draft: str | None, **config: object) -> Engin
     return EngineCore.from_config(dataclasses.replace(BASE, **settings))
 
 
-def run(core: EngineCore, prompts: list[bytes], max_tokens: int = 40) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+def run(core: EngineCore, prompts: list[bytes]) -> list[list[int]]:
+    """Greedy outputs of 40, 36, ... tokens: the running requests thin out."""
     for number, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0, max_tokens=40 - 4 * number, ignore_eos=True)
         core.add_request(
             EngineRequest(request_id=str(number), prompt_token_ids=tuple(prompt), params=params)
         )
@@ -97,8 +98,12 @@ def plain(models: dict[str, str]) -> Iterator[list[list[int]]]:
         {"async_scheduling": True},
         # Prompts in chunks that sample nothing: the draft follows those too.
         {"max_num_batched_tokens": 8, "speculative_token_budget": 8},
+        # No drafts while more than 3 requests run: the draft sits those steps out,
+        # then catches up on the requests left.
+        {"speculative_token_budget": 4},
+        {"speculative_token_budget": 4, "async_scheduling": True},
     ],
-    ids=["roomy", "preempting", "batch-queue", "chunked-prefill"],
+    ids=["roomy", "preempting", "batch-queue", "chunked-prefill", "catch-up", "catch-up-queue"],
 )
 def test_the_target_as_its_own_draft_is_always_right(
     models: dict[str, str], plain: list[list[int]], config: dict
@@ -108,6 +113,34 @@ def test_the_target_as_its_own_draft_is_always_right(
     counts = core.scheduler.spec_counts
     assert counts.num_drafts > 0
     assert counts.num_accepted_tokens == counts.num_draft_tokens
+    core.close()
+
+
+def test_the_draft_sits_out_steps_where_no_request_may_draft(
+    models: dict[str, str], plain: list[list[int]]
+) -> None:
+    """With room for drafts while at most 3 requests run (the step's running requests
+    before it admits any), the draft model runs in no step that starts with more (at
+    large batches it costs nothing), and catches up after."""
+    core = engine(models, "target", speculative_token_budget=4)
+    scheduler, draft = core.scheduler, core.executor.draft.executor
+    running_before: list[int] = []
+    running_at_draft: list[int] = []
+    schedule, compute_logits = scheduler.schedule, draft.compute_logits
+
+    def noted_schedule(*args: object) -> object:
+        running_before.append(scheduler.num_running)
+        return schedule(*args)
+
+    def counted(batch: object) -> object:
+        running_at_draft.append(running_before[-1])
+        return compute_logits(batch)
+
+    scheduler.schedule, draft.compute_logits = noted_schedule, counted
+    assert run(core, PROMPTS) == plain
+    assert running_at_draft and max(running_at_draft) <= 3 < max(running_before)
+    counts = core.scheduler.spec_counts
+    assert counts.num_accepted_tokens == counts.num_draft_tokens > 0
     core.close()
 
 
