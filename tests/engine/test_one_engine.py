@@ -83,7 +83,9 @@ async def started(engine: Engine, prompt: str, max_tokens: int, request_id: str)
 
 
 async def rest_of(stream: Any, first: Any) -> list[Any]:
-    return [first, *[delta async for delta in stream]]
+    """`first` (a delta, or the deltas read so far) and the rest of the stream."""
+    read = first if isinstance(first, list) else [first]
+    return [*read, *[delta async for delta in stream]]
 
 
 async def until(engine: Engine, condition: Any) -> Any:
@@ -132,9 +134,11 @@ async def test_abort_ends_the_stream_with_abort(engine: Engine) -> None:
 
 @pytest.mark.parametrize("mode", list(PauseMode))
 async def test_pause_in_each_mode_then_resume(engine: Engine, mode: PauseMode) -> None:
-    # An ABORT pause must find its requests running: 60 null-executor tokens can all be
-    # produced between the first one's arrival and the pause on a loaded machine.
-    count = 10**6 if mode is PauseMode.ABORT else 60
+    # ABORT and KEEP pauses must find their requests running: 60 null-executor tokens
+    # can all be produced between the first one's arrival and the pause on a loaded
+    # machine. So those requests are endless: KEEP's are read on after the resume,
+    # then aborted. WAIT's finish during the pause whatever their length.
+    count = 60 if mode is PauseMode.WAIT else 10**6
     with anyio.fail_after(HANG_GUARD):
         streams = [await started(engine, f"run {i}", count, f"{mode.value}-{i}") for i in range(2)]
         await engine.pause(mode)
@@ -151,16 +155,22 @@ async def test_pause_in_each_mode_then_resume(engine: Engine, mode: PauseMode) -
             tg.start_soon(late_request)
             await until(engine, lambda s: len(s.held) == 1)
             await engine.resume()
+        if mode is PauseMode.KEEP:  # kept: they go on after the resume
+            streams = [(s, [first, await s.__anext__()]) for s, first in streams]
+            for i in range(2):
+                await engine.abort(f"keep-{i}")
         finished = [await rest_of(stream, first) for stream, first in streams]
     assert not await engine.is_paused()
     assert tokens(late) == expected("late", 4)
-    if mode is PauseMode.ABORT:
-        assert [deltas[-1].finish_reason for deltas in finished] == ["abort", "abort"]
-        assert running_while_paused == 0
-    else:
+    if mode is PauseMode.WAIT:
         for i, deltas in enumerate(finished):
             assert tokens(deltas) == expected(f"run {i}", 60)
-        assert running_while_paused == (0 if mode is PauseMode.WAIT else 2)
+    else:
+        assert [deltas[-1].finish_reason for deltas in finished] == ["abort", "abort"]
+    if mode is PauseMode.KEEP:  # every token of the run's own, none lost or repeated
+        for i, deltas in enumerate(finished):
+            assert tokens(deltas) == expected(f"run {i}", len(tokens(deltas)))
+    assert running_while_paused == (2 if mode is PauseMode.KEEP else 0)
 
 
 async def test_a_pause_in_progress_refuses_resume_and_another_mode(engine: Engine) -> None:
