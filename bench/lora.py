@@ -37,7 +37,13 @@ from safetensors.torch import save_file
 
 from wavecore.engine.api import open_engine
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.lora.adapters import Adapter, AdapterLayer, FusedDelta, StackedAdapters
+from wavecore.engine.lora.adapters import (
+    Adapter,
+    AdapterLayer,
+    FusedDelta,
+    StackedAdapters,
+    TargetSpan,
+)
 from wavecore.engine.lora.compute import LoRARows, MixedDecodes, add_lora
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.sampling_params import SamplingParams
@@ -101,6 +107,19 @@ def _delta_cases(
         ]
 
 
+def _qkv_delta(rand: Any) -> FusedDelta:
+    """A random qkv delta as `adapters.build_adapter` lays one out: q, k and v at rank
+    `RANK` side by side in `a`, each in its own block of `b`."""
+    a = rand(HIDDEN, R)
+    b = torch.zeros(R, QKV_OUT, device=a.device, dtype=a.dtype)
+    spans = []
+    for index, (out_start, out_stop) in enumerate(((0, 576), (576, 768), (768, QKV_OUT))):
+        span = TargetSpan(index * RANK, (index + 1) * RANK, out_start, out_stop)
+        b[span.start : span.stop, out_start:out_stop] = rand(RANK, out_stop - out_start)
+        spans.append(span)
+    return FusedDelta(a, b, tuple(spans))
+
+
 def _delta_case(
     rand: Any,
     weight: torch.Tensor,
@@ -111,7 +130,7 @@ def _delta_case(
     dtype: torch.dtype,
 ) -> dict[str, Any]:
     x = rand(tokens, HIDDEN)
-    deltas = [FusedDelta(rand(HIDDEN, R), rand(R, QKV_OUT)) for _ in range(count)]
+    deltas = [_qkv_delta(rand) for _ in range(count)]
     adapters = [
         Adapter(LoRARequest(f"a{i}", "/x"), RANK, (AdapterLayer(d, None, None, None),))
         for i, d in enumerate(deltas)
