@@ -21,9 +21,9 @@ milliseconds and ratio to the base step.
 Part 3, end to end (one rank in this process, the same model, greedy, `ignore_eos`):
 32 concurrent requests of the same prompts, in the same engine: the base model only,
 every request on one adapter, and spread over 4 adapters (`max_loras=4`), the runs
-interleaved; throughput in generated tokens per second, its ratio to the base
-model's, and the load average (1 minute) after each run. The adapters are random,
-rank 16, on every projection.
+interleaved (each repeat starting one run later); throughput in generated tokens per
+second, its ratio to the base model's, and the load average (1 minute) after each run.
+The adapters are random, rank 16, on every projection.
 
 Usage: python bench/lora.py [--quick] [--skip-engine]
 """
@@ -279,8 +279,10 @@ def executor_step(adapters: list[LoRARequest], quick: bool) -> list[dict[str, An
             for _ in range(3):  # warm-up: kernels, the stacked adapters
                 executor.execute(batch)
         times: dict[str, list[float]] = {name: [] for name in batches}
-        for _ in range(5 if quick else 30):
-            for name, batch in batches.items():
+        names = list(batches)
+        for repeat in range(6 if quick else 30):
+            for name in names[repeat % 3 :] + names[: repeat % 3]:  # as in `end_to_end`
+                batch = batches[name]
                 start = time.perf_counter()
                 executor.execute(batch)
                 times[name].append((time.perf_counter() - start) * 1000)
@@ -331,8 +333,13 @@ async def end_to_end(modules: tuple[LoRARequest, ...], quick: bool) -> list[dict
         await _throughput(engine, [None] * 8, 8)  # warm-up
         figures: dict[str, list[float]] = {name: [] for name in runs}
         loads: dict[str, list[float]] = {name: [] for name in runs}
-        for _ in range(repeats):  # interleaved, so drift hits every run alike
-            for name, loras in runs.items():
+        names = list(runs)
+        for repeat in range(repeats):
+            # Interleaved, each repeat starting one run later (ABC, BCA, CAB): over
+            # three repeats every run holds every place once, so a load that rises or
+            # falls through the bench (a shared machine) hits every run alike.
+            for name in names[repeat % 3 :] + names[: repeat % 3]:
+                loras = runs[name]
                 await engine.reset_prefix_cache()
                 figures[name].append(await _throughput(engine, loras, max_tokens))
                 loads[name].append(os.getloadavg()[0])
