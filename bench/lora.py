@@ -1,21 +1,29 @@
 """LoRA adapters: how the deltas are computed, and what adapters cost the engine.
 
-Part 1, the delta kernel (on the CPU with one thread): one fused product's LoRA delta (SmolLM2-135M's qkv, 576 ->
-960, every target at rank 16, so R = 48) for a step of T tokens spread over K
-adapters interleaved token by token (as decodes of several adapters are), three ways:
-wavecore's (one adapter: a slice; several: every row against the adapters stacked, its
-own columns kept by a mask, `compute.MixedDecodes`: three ops whatever the count),
-grouped by a gather in adapter order (one `index_select`, two products per adapter, one
-`index_add_`), and a gather-based batched product (each token's own `a` and `b`
-gathered from the stacked adapters, then one `bmm` per side for all tokens, as
-punica's BGMV does on GPUs); beside the base product itself (float32 BLAS). On a CUDA
-device too when one is present (bfloat16).
+Part 1, the delta kernel (on the CPU with one thread): one fused product's LoRA delta
+(SmolLM2-135M's qkv, 576 -> 960, every target at rank 16, so R = 48) for a step of T
+tokens spread over K adapters interleaved token by token (as decodes of several
+adapters are), three ways: wavecore's (one adapter: a slice; several: every row
+against the adapters stacked, its own columns kept by a mask, then one product per
+target, `compute.MixedDecodes`), grouped by a gather in adapter order (one
+`index_select`, two products per adapter, one `index_add_`), and a gather-based
+batched product (each token's own `a` and `b` gathered from the stacked adapters, then
+one `bmm` per side for all tokens, as punica's BGMV does on GPUs); beside the base
+product itself (float32 BLAS), and, for one adapter on a CPU with native bfloat16, the
+delta in bfloat16 through the base's oneDNN kernel. On a CUDA device too when one is
+present (bfloat16).
 
-Part 2, end to end (one rank in this process, the real model as `open_engine` loads it
-by default, greedy, `ignore_eos`): 32 concurrent requests of the same prompts, in the
-same engine: the base model only, every request on one adapter, and spread over 4
-adapters (`max_loras=4`); throughput in generated tokens per second and its ratio to
-the base model's. The adapters are random, rank 16, on every projection.
+Part 2, one decode step of the executor (the real model as `open_engine` loads it by
+default): 32 decodes at context 100 of the base model, all on one adapter, and spread
+over 4 adapters interleaved row by row, the three steps interleaved; median
+milliseconds and ratio to the base step.
+
+Part 3, end to end (one rank in this process, the same model, greedy, `ignore_eos`):
+32 concurrent requests of the same prompts, in the same engine: the base model only,
+every request on one adapter, and spread over 4 adapters (`max_loras=4`), the runs
+interleaved (each repeat starting one run later); throughput in generated tokens per
+second, its ratio to the base model's, and the load average (1 minute) after each run.
+The adapters are random, rank 16, on every projection.
 
 Usage: python bench/lora.py [--quick] [--skip-engine]
 """
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -37,9 +46,18 @@ from safetensors.torch import save_file
 
 from wavecore.engine.api import open_engine
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.lora.adapters import Adapter, AdapterLayer, FusedDelta, StackedAdapters
+from wavecore.engine.executors.batch import ModelBatch, SequenceChunk
+from wavecore.engine.lora.adapters import (
+    Adapter,
+    AdapterLayer,
+    FusedDelta,
+    StackedAdapters,
+    TargetSpan,
+)
 from wavecore.engine.lora.compute import LoRARows, MixedDecodes, add_lora
 from wavecore.engine.lora.request import LoRARequest
+from wavecore.engine.model import load_executor
+from wavecore.engine.model.linear import can_pack_bf16, pack_bf16, packed_product
 from wavecore.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lora.json"
@@ -101,6 +119,19 @@ def _delta_cases(
         ]
 
 
+def _qkv_delta(rand: Any) -> FusedDelta:
+    """A random qkv delta as `adapters.build_adapter` lays one out: q, k and v at rank
+    `RANK` side by side in `a`, each in its own block of `b`."""
+    a = rand(HIDDEN, R)
+    b = torch.zeros(R, QKV_OUT, device=a.device, dtype=a.dtype)
+    spans = []
+    for index, (out_start, out_stop) in enumerate(((0, 576), (576, 768), (768, QKV_OUT))):
+        span = TargetSpan(index * RANK, (index + 1) * RANK, out_start, out_stop)
+        b[span.start : span.stop, out_start:out_stop] = rand(RANK, out_stop - out_start)
+        spans.append(span)
+    return FusedDelta(a, b, tuple(spans))
+
+
 def _delta_case(
     rand: Any,
     weight: torch.Tensor,
@@ -111,7 +142,7 @@ def _delta_case(
     dtype: torch.dtype,
 ) -> dict[str, Any]:
     x = rand(tokens, HIDDEN)
-    deltas = [FusedDelta(rand(HIDDEN, R), rand(R, QKV_OUT)) for _ in range(count)]
+    deltas = [_qkv_delta(rand) for _ in range(count)]
     adapters = [
         Adapter(LoRARequest(f"a{i}", "/x"), RANK, (AdapterLayer(d, None, None, None),))
         for i, d in enumerate(deltas)
@@ -154,7 +185,25 @@ def _delta_case(
         "wavecore_ms": _timed(wavecore, repeats, device),
         "sorted_gather_ms": _timed(sorted_gather, repeats, device),
         "gather_bmm_ms": _timed(gathered, repeats, device),
+        "bf16_onednn_ms": _bf16_delta_ms(x, deltas[0], out, repeats) if count == 1 else None,
     }
+
+
+def _bf16_delta_ms(
+    x: torch.Tensor, delta: FusedDelta, out: torch.Tensor, repeats: int
+) -> float | None:
+    """One adapter's delta the way the base's "onednn-bf16" kernel takes a product:
+    `a` and `b` rounded to bfloat16 and packed once, the rows rounded per product, the
+    products by oneDNN (AMX), the delta added in float32. None where that kernel does
+    not run (a GPU, or a CPU without native bfloat16)."""
+    if not can_pack_bf16(x.device, x.dtype):
+        return None
+    a, b = pack_bf16(delta.a.t()), pack_bf16(delta.b.t())
+
+    def bf16() -> None:
+        out.add_(packed_product(packed_product(x.to(torch.bfloat16), a), b))
+
+    return _timed(bf16, repeats, x.device)
 
 
 def write_adapter(directory: Path, seed: int, config: dict[str, int]) -> Path:
@@ -185,6 +234,75 @@ def write_adapter(directory: Path, seed: int, config: dict[str, int]) -> Path:
     return directory
 
 
+SMOLLM = {"hidden": 576, "inter": 1536, "q": 576, "kv": 192, "layers": 30}
+STEP_DECODES, STEP_CONTEXT = 32, 100
+
+
+def _decode_batch(loras: list[str | None], block_size: int) -> ModelBatch:
+    """One decode per entry of `loras` at context `STEP_CONTEXT`, each in its own blocks."""
+    blocks = -(-(STEP_CONTEXT + 1) // block_size)
+    params = SamplingParams(max_tokens=64, temperature=0)
+    chunks = []
+    for row, lora in enumerate(loras):
+        tokens = [(row * 7 + i) % 1000 + 5 for i in range(STEP_CONTEXT + 1)]
+        chunks.append(
+            SequenceChunk(
+                request_id=f"r{row}",
+                token_ids=tokens[-1:],
+                start_pos=STEP_CONTEXT,
+                block_table=list(range(row * blocks, (row + 1) * blocks)),
+                sample=True,
+                sampling=params,
+                all_token_ids=tokens,
+                prompt_len=STEP_CONTEXT,
+                lora=lora,
+            )
+        )
+    return ModelBatch(chunks=tuple(chunks))
+
+
+def executor_step(adapters: list[LoRARequest], quick: bool) -> list[dict[str, Any]]:
+    """Part 2: median ms of one decode step of `STEP_DECODES`, interleaved."""
+    executor = load_executor(None, enable_lora=True, max_loras=len(adapters))
+    try:
+        for adapter in adapters:
+            executor.add_lora(adapter)
+        names = [adapter.name for adapter in adapters]
+        batches = {
+            "base": _decode_batch([None] * STEP_DECODES, executor.block_size),
+            "1 adapter": _decode_batch([names[0]] * STEP_DECODES, executor.block_size),
+            "4 adapters": _decode_batch(
+                [names[row % len(names)] for row in range(STEP_DECODES)], executor.block_size
+            ),
+        }
+        for batch in batches.values():
+            for _ in range(3):  # warm-up: kernels, the stacked adapters
+                executor.execute(batch)
+        times: dict[str, list[float]] = {name: [] for name in batches}
+        names = list(batches)
+        for repeat in range(6 if quick else 30):
+            for name in names[repeat % 3 :] + names[: repeat % 3]:  # as in `end_to_end`
+                batch = batches[name]
+                start = time.perf_counter()
+                executor.execute(batch)
+                times[name].append((time.perf_counter() - start) * 1000)
+        kernels = executor.kernels.report()
+    finally:
+        executor.close()
+    base = statistics.median(times["base"])
+    return [
+        {
+            "step": name,
+            "decodes": STEP_DECODES,
+            "ms": statistics.median(values),
+            "ratio_to_base": base / statistics.median(values),
+            "load_average": os.getloadavg()[0],
+            "kernels": kernels,
+        }
+        for name, values in times.items()
+    ]
+
+
 async def _throughput(engine: Any, loras: list[str | None], max_tokens: int) -> float:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     produced = 0
@@ -202,28 +320,30 @@ async def _throughput(engine: Any, loras: list[str | None], max_tokens: int) -> 
     return produced / (time.perf_counter() - start)
 
 
-async def end_to_end(quick: bool) -> list[dict[str, Any]]:
+async def end_to_end(modules: tuple[LoRARequest, ...], quick: bool) -> list[dict[str, Any]]:
+    """Part 3: tokens per second of each run, the runs interleaved, median of 3."""
     requests, max_tokens, repeats = (32, 16, 1) if quick else (32, 64, 3)
-    smollm = {"hidden": 576, "inter": 1536, "q": 576, "kv": 192, "layers": 30}
-    with tempfile.TemporaryDirectory() as root:
-        modules = tuple(
-            LoRARequest(f"adapter-{i}", str(write_adapter(Path(root) / str(i), i, smollm)))
-            for i in range(4)
-        )
-        config = EngineConfig(enable_lora=True, max_loras=4, lora_modules=modules, max_num_seqs=64)
-        runs = {
-            "base": [None] * requests,
-            "1 adapter": ["adapter-0"] * requests,
-            "4 adapters": [f"adapter-{i % 4}" for i in range(requests)],
-        }
-        async with open_engine(config) as engine:
-            await _throughput(engine, [None] * 8, 8)  # warm-up
-            figures: dict[str, list[float]] = {name: [] for name in runs}
-            for _ in range(repeats):  # interleaved, so drift hits every run alike
-                for name, loras in runs.items():
-                    await engine.reset_prefix_cache()
-                    figures[name].append(await _throughput(engine, loras, max_tokens))
-            kernels = (await engine.stats()).ranks[0].kernels
+    config = EngineConfig(enable_lora=True, max_loras=4, lora_modules=modules, max_num_seqs=64)
+    runs = {
+        "base": [None] * requests,
+        "1 adapter": [modules[0].name] * requests,
+        "4 adapters": [modules[i % 4].name for i in range(requests)],
+    }
+    async with open_engine(config) as engine:
+        await _throughput(engine, [None] * 8, 8)  # warm-up
+        figures: dict[str, list[float]] = {name: [] for name in runs}
+        loads: dict[str, list[float]] = {name: [] for name in runs}
+        names = list(runs)
+        for repeat in range(repeats):
+            # Interleaved, each repeat starting one run later (ABC, BCA, CAB): over
+            # three repeats every run holds every place once, so a load that rises or
+            # falls through the bench (a shared machine) hits every run alike.
+            for name in names[repeat % 3 :] + names[: repeat % 3]:
+                loras = runs[name]
+                await engine.reset_prefix_cache()
+                figures[name].append(await _throughput(engine, loras, max_tokens))
+                loads[name].append(os.getloadavg()[0])
+        kernels = (await engine.stats()).ranks[0].kernels
     base = statistics.median(figures["base"])
     return [
         {
@@ -232,6 +352,8 @@ async def end_to_end(quick: bool) -> list[dict[str, Any]]:
             "max_tokens": max_tokens,
             "tokens_per_s": statistics.median(values),
             "ratio_to_base": statistics.median(values) / base,
+            "every_tokens_per_s": values,
+            "load_averages": loads[name],
             "kernels": kernels,
         }
         for name, values in figures.items()
@@ -254,20 +376,38 @@ def main() -> None:
         f"{machine['cpus']} CPUs)"
     )
     print(f"{'device':<6} {'tokens':>6} {'adapters':>8} {'base ms':>8} {'wavecore ms':>11} "
-          f"{'sorted-gather ms':>16} {'gather-bmm ms':>13}")  # fmt: skip
+          f"{'sorted-gather ms':>16} {'gather-bmm ms':>13} {'bf16 oneDNN ms':>14}")  # fmt: skip
     for row in kernels:
+        bf16 = "-" if row["bf16_onednn_ms"] is None else f"{row['bf16_onednn_ms']:.3f}"
         print(
             f"{row['device']:<6} {row['tokens']:>6} {row['adapters']:>8} {row['base_ms']:>8.3f} "
             f"{row['wavecore_ms']:>11.3f} {row['sorted_gather_ms']:>16.3f} "
-            f"{row['gather_bmm_ms']:>13.3f}"
+            f"{row['gather_bmm_ms']:>13.3f} {bf16:>14}"
         )
     if not args.skip_engine:
-        runs = anyio.run(end_to_end, args.quick)
+        with tempfile.TemporaryDirectory() as root:
+            modules = tuple(
+                LoRARequest(f"adapter-{i}", str(write_adapter(Path(root) / str(i), i, SMOLLM)))
+                for i in range(4)
+            )
+            steps = executor_step(list(modules), args.quick)
+            result["executor_step"] = steps
+            print(f"\nOne executor step of {STEP_DECODES} decodes (interleaved, median)")
+            print(f"{'step':<11} {'ms':>8} {'ratio':>6} {'load':>5}")
+            for row in steps:
+                print(
+                    f"{row['step']:<11} {row['ms']:>8.1f} {row['ratio_to_base']:>6.2f} "
+                    f"{row['load_average']:>5.2f}"
+                )
+            runs = anyio.run(end_to_end, modules, args.quick)
         result["end_to_end"] = runs
         print("\nEnd to end, one rank, greedy, 32 concurrent requests (same engine)")
-        print(f"{'run':<11} {'tok/s':>8} {'ratio':>6}")
+        print(f"{'run':<11} {'tok/s':>8} {'ratio':>6}  load after each run")
         for row in runs:
-            print(f"{row['run']:<11} {row['tokens_per_s']:>8.1f} {row['ratio_to_base']:>6.2f}")
+            loads = " ".join(f"{load:.1f}" for load in row["load_averages"])
+            print(
+                f"{row['run']:<11} {row['tokens_per_s']:>8.1f} {row['ratio_to_base']:>6.2f}  {loads}"
+            )
         print(f"kernels: {runs[0]['kernels']}")
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

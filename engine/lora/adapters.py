@@ -32,14 +32,27 @@ from wavecore.engine.model.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
+class TargetSpan:
+    """Where one target sits in a fused product's delta: its rank's columns
+    `[start, stop)` of `x @ a` (rows of `b`) and its output columns `[out_start,
+    out_stop)`; `b` is zero outside these blocks."""
+
+    start: int
+    stop: int
+    out_start: int
+    out_stop: int
+
+
+@dataclass(frozen=True, slots=True)
 class FusedDelta:
     """`(x @ a) @ b` is one fused product's delta for rows `x`."""
 
     a: torch.Tensor  # [in, R]
-    b: torch.Tensor  # [R, out], scale folded in
+    b: torch.Tensor  # [R, out], scale folded in; block diagonal by `targets`
+    targets: tuple[TargetSpan, ...]
 
     def to(self, device: torch.device, dtype: torch.dtype) -> FusedDelta:
-        return FusedDelta(self.a.to(device, dtype), self.b.to(device, dtype))
+        return FusedDelta(self.a.to(device, dtype), self.b.to(device, dtype), self.targets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +94,46 @@ PRODUCTS = ("qkv", "o", "gate_up", "down")
 
 @dataclass(frozen=True, slots=True)
 class StackedDelta:
-    """Several adapters' `FusedDelta`s of one product as one: their `a` side by side,
-    their `b` stacked, and `columns`, the index of the adapter each of the `R` columns
-    of `x @ a` belongs to."""
+    """Several adapters' `FusedDelta`s of one product as one, laid out target by
+    target: `a` holds every adapter's columns of the first target, then of the next,
+    and `blocks` pairs each target's columns of `x @ a` (`TargetSpan`) with its `b`
+    rows stacked over the adapters, `[sum of their ranks, target's outputs]`. The
+    target-major order leaves out the zero blocks of each adapter's `b` (q's rows
+    never reach k's or v's columns): in a mixed decode of SmolLM2 with four rank-16
+    adapters on every projection this took the `b` side from 4 x 163k to 4 x 83k
+    multiply-adds per token and layer. `columns` is the index of the adapter each of
+    the `R` columns of `x @ a` belongs to."""
 
     a: torch.Tensor  # [in, sum of R]
-    b: torch.Tensor  # [sum of R, out]
     columns: torch.Tensor  # [sum of R] int64
+    blocks: tuple[tuple[TargetSpan, torch.Tensor], ...]
+
+
+def _stacked_delta(
+    parts: Sequence[tuple[int, FusedDelta]], layouts: dict[tuple, torch.Tensor]
+) -> StackedDelta:
+    """`parts` (adapter number, delta) of one product stacked target by target; equal
+    column layouts share one `columns` tensor through `layouts`."""
+    by_target: dict[tuple[int, int], list[tuple[int, FusedDelta, TargetSpan]]] = {}
+    for number, delta in parts:
+        for span in delta.targets:
+            by_target.setdefault((span.out_start, span.out_stop), []).append((number, delta, span))
+    a_parts, layout, blocks = [], [], []
+    width = 0
+    for (out_start, out_stop), pieces in sorted(by_target.items()):
+        start = width
+        for number, delta, span in pieces:
+            a_parts.append(delta.a[:, span.start : span.stop])
+            layout.append((number, span.stop - span.start))
+            width += span.stop - span.start
+        b = torch.cat([delta.b[s.start : s.stop, out_start:out_stop] for _, delta, s in pieces])
+        blocks.append((TargetSpan(start, width, out_start, out_stop), b))
+    key = tuple(layout)
+    columns = layouts.get(key)
+    if columns is None:
+        owners = [torch.full((count,), number) for number, count in layout]
+        columns = layouts[key] = torch.cat(owners).to(parts[0][1].a.device)
+    return StackedDelta(torch.cat(a_parts, dim=1), columns, tuple(blocks))
 
 
 class StackedAdapters:
@@ -98,7 +144,7 @@ class StackedAdapters:
         self.names = tuple(adapter.request.name for adapter in adapters)
         # One column-owner tensor per layout, shared by the layers that have it (the
         # forward builds one mask per tensor per step).
-        layouts: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
+        layouts: dict[tuple, torch.Tensor] = {}
         layers = []
         for index in range(len(adapters[0].layers)):
             stacked: dict[str, StackedDelta | None] = {}
@@ -108,19 +154,7 @@ class StackedAdapters:
                     for number, adapter in enumerate(adapters)
                     if (delta := getattr(adapter.layers[index], product)) is not None
                 ]
-                if not parts:
-                    stacked[product] = None
-                    continue
-                layout = tuple((number, delta.a.shape[1]) for number, delta in parts)
-                columns = layouts.get(layout)
-                if columns is None:
-                    owners = [torch.full((width,), number) for number, width in layout]
-                    columns = layouts[layout] = torch.cat(owners).to(parts[0][1].a.device)
-                stacked[product] = StackedDelta(
-                    torch.cat([delta.a for _, delta in parts], dim=1),
-                    torch.cat([delta.b for _, delta in parts]),
-                    columns,
-                )
+                stacked[product] = _stacked_delta(parts, layouts) if parts else None
             layers.append(stacked)
         self.layers = tuple(layers)
 
@@ -156,12 +190,14 @@ def build_adapter(request: LoRARequest, peft: PeftAdapter, config: ModelConfig) 
                 continue
             a = torch.cat([mod.a for _, _, mod in present]).t().contiguous()
             b = torch.zeros(a.shape[1], out_features[product])
+            spans = []
             row = 0
             for _, column, mod in present:
                 rank, width = mod.b.shape[1], mod.b.shape[0]
                 b[row : row + rank, column : column + width] = mod.scale * mod.b.t()
+                spans.append(TargetSpan(row, row + rank, column, column + width))
                 row += rank
-            fused[product] = FusedDelta(a, b)
+            fused[product] = FusedDelta(a, b, tuple(spans))
         layers.append(AdapterLayer(**fused))
     return Adapter(request, peft.rank, tuple(layers))
 

@@ -1,18 +1,18 @@
 """Adding a step's LoRA deltas beside the base products, grouped per adapter.
 
-A step's tokens are grouped by adapter (`LoRARows`): when each adapter's rows are one
-contiguous run (prefill chunks, or a step that serves one adapter) they are taken as
-slices; when they are scattered among the decodes (which the batch plan orders by
-context length, for attention), the step's adapter rows are gathered once per product
-in adapter order (`index_select`), each adapter's run computed, and the deltas added
-back in one `index_add_`. Each adapter costs two small products per targeted fused
-product, in the activations' dtype, added to the base product's output whatever kernel
-computed it. (One gather per adapter instead cost about a third of a 4-adapter
-decode step's LoRA time on SmolLM2: index ops, not products.)
-bench/lora.py measured this against a gather-based batched product (each token's own
-`a` and `b` gathered, one `bmm` for all tokens): grouping won at every batch size on
-the CPU it names (the gather copies `in x R` values per token), so grouping is what
-runs. Rows of the base model belong to no group and cost nothing.
+A step's tokens are grouped by adapter (`LoRARows`): each contiguous run of one
+adapter's rows (a prefill chunk, or decodes all of one adapter) is a slice, its delta
+`(x @ a) @ b`, two small products per targeted fused product. Decodes that mix adapters
+(scattered among the rows, which the batch plan orders by context length, for
+attention) are taken against the step's adapters stacked (`MixedDecodes`): one product
+with every adapter's `a`, a mask keeping each row's own adapter's columns, then one
+product per target with the adapters' `b` rows of that target stacked (no zero blocks:
+`adapters.StackedDelta`), whatever the number of adapters. Everything runs in the
+activations' dtype and is added to the base product's output whatever kernel computed
+it. bench/lora.py measured these against a gather in adapter order and a gather-based
+batched product (each token's own `a` and `b` gathered, one `bmm` for all tokens),
+and the README says what won where. Rows of the base model belong to no group and cost
+nothing.
 """
 
 from __future__ import annotations
@@ -67,4 +67,5 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora: LoRARows, layer: int, pro
         rows = mixed.rows
         h = x[:rows] @ stacked.a
         h.mul_(mixed.mask(stacked.columns, h.dtype))
-        out[:rows].addmm_(h, stacked.b)
+        for span, b in stacked.blocks:
+            out[:rows, span.out_start : span.out_stop].addmm_(h[:, span.start : span.stop], b)

@@ -30,6 +30,7 @@ from wavecore.engine.errors import LoRAError
 from wavecore.engine.executors.batch import ModelBatch, SequenceChunk
 from wavecore.engine.executors.rpc import remote_callable
 from wavecore.engine.lora.request import LoRARequest
+from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.executor import ModelExecutor
 from wavecore.engine.model.resolve import resolve_model_source
 from wavecore.engine.sampling.byte_tokenizer import EOS_TOKEN_ID, ByteTokenizer
@@ -37,6 +38,22 @@ from wavecore.engine.sampling_params import SamplingParams
 
 HANG_GUARD = 120  # seconds; only ever reached if an engine hangs
 ALL_TARGETS = tuple(SHAPES)
+# The tiny model's config, for tests that build adapters without an executor.
+TINY_CONFIG = ModelConfig(
+    architecture="llama",
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=INTER,
+    num_layers=LAYERS,
+    num_heads=HEADS,
+    num_kv_heads=KV_HEADS,
+    head_dim=HEAD_DIM,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    context_length=512,
+    tie_word_embeddings=True,
+    qkv_bias=False,
+)
 
 
 def write_adapter(

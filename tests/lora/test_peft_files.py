@@ -8,27 +8,11 @@ import math
 from pathlib import Path
 
 import pytest
-from lora_helpers import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, LAYERS, VOCAB, write_adapter
+from lora_helpers import LAYERS, write_adapter
+from lora_helpers import TINY_CONFIG as CONFIG
 
 from wavecore.engine.errors import LoRAError
 from wavecore.engine.lora.peft_files import read_peft_adapter
-from wavecore.engine.model.config import ModelConfig
-
-CONFIG = ModelConfig(
-    architecture="llama",
-    vocab_size=VOCAB,
-    hidden_size=HIDDEN,
-    intermediate_size=INTER,
-    num_layers=LAYERS,
-    num_heads=HEADS,
-    num_kv_heads=KV_HEADS,
-    head_dim=HEAD_DIM,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    context_length=512,
-    tie_word_embeddings=True,
-    qkv_bias=False,
-)
 
 
 def rewrite_config(directory: Path, **fields: object) -> None:
