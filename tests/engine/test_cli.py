@@ -515,7 +515,13 @@ def test_ctrl_c_keeps_the_finished_results_and_exits_130(
     output = tmp_path / "out.jsonl"
     args = ["--prompt", "wait", "--prompt", "a", "--prompt", "b"]
     args += ["--output", str(output)] if to_file else []
-    status, printed, err = run_cli(generate_args(*args), capsys)
+    # Python's own Ctrl-C handler, as a terminal's run has it: a shell starts background
+    # jobs (`make test &`, nohup) with SIGINT ignored, and then no Ctrl-C arrives.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        status, printed, err = run_cli(generate_args(*args), capsys)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert status == 130
     kept = f"; their results are in {output}" if to_file else ""
     assert error_lines(err) == [f"wavecore generate: interrupted: 2 of 3 prompts finished{kept}"]
