@@ -41,7 +41,7 @@ ENGINES = {
 CASES = (
     [("asyncio", name, "ngram") for name in ENGINES]
     + [("trio", "one-rank", "ngram")]
-    + [("asyncio", name, "draft") for name in ("dp2-lockstep", "dp2-lockstep-batch-queue")]
+    + [("asyncio", "dp2-lockstep-batch-queue", "draft")]
     + [("trio", "one-rank", "draft")]
 )
 PROMPTS = [("abc" * (i + 3)) + "d" * i for i in range(6)]

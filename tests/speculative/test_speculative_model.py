@@ -141,8 +141,10 @@ def draft_core(weights: str) -> EngineCore:
     return EngineCore.from_config(config)
 
 
-# Quantizing the draft to int8 takes 10-30 s: its case runs in `make soak`.
-@pytest.mark.parametrize("weights", ["float32", pytest.param("int8", marks=pytest.mark.soak)])
+# `make soak` (9 s and 10-30 s): tests/speculative/test_draft_model.py checks the same
+# on tiny models in `make test`.
+@pytest.mark.soak
+@pytest.mark.parametrize("weights", ["float32", "int8"])
 def test_a_draft_model_changes_no_token(cores: tuple[EngineCore, EngineCore], weights: str) -> None:
     """The model as its own draft is always right; its int8 copy partly."""
     plain, _ = cores
