@@ -149,9 +149,10 @@ class Scheduler:
         self._in_flight: deque[SchedulerOutput] = deque()
         self._max_in_flight = 2 if config.async_scheduling else 1
         spec = config.speculative
-        self._proposer = NgramProposer(spec) if spec is not None else None
         # With a draft model the executor proposes: sampling chunks ask it for drafts.
         self._executor_drafts = spec is not None and spec.executor_proposes
+        use_lookup = spec is not None and not self._executor_drafts
+        self._proposer = NgramProposer(spec) if use_lookup else None
         self.spec_counts = SpecDecodeCounts(spec.num_speculative_tokens if spec else 0)
         self._last_stats = self._snapshot(step=0, num_seqs=0, num_tokens=0, num_preempted=0)
         # Adapters kept resident by `pin_lora`: they hold device slots of their own.
