@@ -92,7 +92,10 @@ def _parse_schema(text: str) -> Any:
 
 
 def _canonical_schema(schema: Any) -> str:
+    # Compact, but in the order given: a schema's key order is the order its object
+    # properties are generated in (as OpenAI's structured outputs and the grammar
+    # engines do), so two schemas that differ only in key order are different specs.
     try:
-        return json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return json.dumps(schema, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as error:
         raise ValueError(f"StructuredOutputs.json is not a JSON value: {error}") from None

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from wavecore.engine.structured.grammars import GrammarError, check_spec
+from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
+from wavecore.engine.structured.grammars import GrammarError, GrammarVocabulary, check_spec
 from wavecore.engine.structured_outputs import StructuredOutputs
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -19,6 +20,22 @@ def test_a_schema_given_as_dict_or_text_is_one_spec() -> None:
     assert as_dict == as_text and as_dict.key == as_text.key
     assert json.loads(as_dict.json or "") == SCHEMA
     assert as_dict.kind == "json"
+
+
+def test_properties_are_generated_in_the_schema_s_order() -> None:
+    # Not sorted: "zeta" is declared first, so the grammar forces it first.
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "integer"}},
+        "required": ["zeta", "alpha"],
+    }
+    spec = StructuredOutputs(json=schema)
+    assert list(json.loads(spec.json or "")["properties"]) == ["zeta", "alpha"]
+    reordered = {**schema, "properties": dict(reversed(schema["properties"].items()))}
+    assert StructuredOutputs(json=reordered).key != spec.key
+    tokenizer = ByteTokenizer()
+    matcher = GrammarVocabulary.for_tokenizer(tokenizer, tokenizer.vocab_size).matcher(spec)
+    assert bytes(matcher.compute_ff_bytes()).startswith(b'{"zeta"')
 
 
 @pytest.mark.parametrize(
