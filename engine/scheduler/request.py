@@ -30,6 +30,11 @@ class Grammar(Protocol):
         """How many of these tokens, in order, the grammar would accept now."""
         ...
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens of the text the grammar forces next (none where it allows a
+        choice)."""
+        ...
+
 
 class Request:
     """Mutable bookkeeping for one request, owned by the scheduler.

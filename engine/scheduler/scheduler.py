@@ -610,13 +610,25 @@ class Scheduler:
             drafts = request.draft_token_ids[: max(count, 0)]
             request.draft_token_ids = []
         else:
-            drafts = self._proposer.propose(tokens, count) if count > 0 else []
+            drafts = self._lookup(request, count) if count > 0 else []
         if drafts and request.grammar is not None:
             del drafts[request.grammar.valid_prefix(drafts) :]
         table = request.block_table
         while drafts and not self.block_manager.can_append(table, len(tokens) + len(drafts)):
             drafts.pop()
         return drafts
+
+    def _lookup(self, request: Request, count: int) -> list[int]:
+        """Prompt lookup's drafts. Under a grammar, the text it forces next comes first
+        (jump-forward decoding, as drafts: the target still samples each one, so a
+        tokenization the model would not choose is only rejected), and the lookup
+        continues after it."""
+        grammar = request.grammar
+        forced = grammar.forced_tokens()[:count] if grammar is not None else []
+        if len(forced) < count:
+            history = request.token_ids + forced if forced else request.token_ids
+            forced += self._proposer.propose(history, count - len(forced))
+        return forced
 
     def _verified(
         self, request: Request, chunk: SequenceChunk, samples: Sequence[SampledToken]

@@ -7,7 +7,9 @@ Theory of operation:
    looked up in its earlier tokens (prompt and output); the up to k tokens that
    followed its latest earlier occurrence are the drafts. Nothing matches, nothing is
    proposed. The search runs on the tokens packed as bytes (`bytes.rfind`, C speed), a
-   few microseconds for a few thousand tokens. "draft_model": the executor proposes,
+   few microseconds for a few thousand tokens. Under structured output the text the
+   grammar forces next (a JSON schema's keys and punctuation) is drafted first and
+   the lookup continues after it (`Scheduler._lookup`). "draft_model": the executor proposes,
    right after it samples a step (a smaller model of the same vocabulary, greedy, on a
    KV cache of its own addressed by the same block tables: `engine/model/
    draft_model.py`). The scheduler asks for them by giving a sampling chunk

@@ -99,6 +99,11 @@ class RequestGrammar:
         drafts are cut there)."""
         return 0 if self.matcher is None else self.matcher.validate_tokens(token_ids)
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens of the text the grammar forces next (a JSON schema's keys and
+        punctuation, say): drafts that cost no lookup (`Scheduler._drafts`)."""
+        return [] if self.matcher is None else self.matcher.compute_ff_tokens()
+
 
 class GrammarCompiler:
     """Compiles the grammars of one rank's requests; see the module docstring."""

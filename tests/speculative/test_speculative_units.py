@@ -17,6 +17,7 @@ from wavecore.engine.request import EngineRequest
 from wavecore.engine.sampling.byte_tokenizer import ByteTokenizer
 from wavecore.engine.sampling_params import SamplingParams
 from wavecore.engine.scheduler.speculative import Backoff, NgramProposer, SpeculativeConfig
+from wavecore.engine.structured_outputs import StructuredOutputs
 
 TOKENIZER = ByteTokenizer()
 
@@ -284,3 +285,49 @@ def test_a_draft_model_is_asked_one_step_ahead_within_free_blocks() -> None:
     step = scarce.schedule()
     assert [c.num_lookahead_tokens for c in step.batch.chunks] == [0]
     assert scarce.scheduler.block_manager.num_free_blocks == 1
+
+
+def test_text_a_grammar_forces_is_drafted_and_accepted_whole() -> None:
+    """Once "a" or "b" is chosen, the regex forces the rest of its pair and the
+    "-wavecore-" after it: those bytes are drafted (one byte, one token, and the only
+    token allowed: each is accepted), and the outputs are plain decoding's."""
+    spec = StructuredOutputs(regex="((ab|ba)-wavecore-){3}")
+    requests = {"r": ("qqq", SamplingParams(max_tokens=60, structured_outputs=spec))}
+    speculating = core(True)
+    assert run(speculating, requests) == run(core(False), requests)
+    counts = speculating.scheduler.spec_counts
+    # Each of the three pairs' second byte and the 10 forced bytes after it, in
+    # drafts of up to k = 5.
+    assert counts.num_draft_tokens >= 3 * 10
+    assert counts.num_accepted_tokens == counts.num_draft_tokens
+
+
+class ForcingGrammar:
+    """A grammar that forces `forced` next and allows anything."""
+
+    ready = True
+
+    def __init__(self, forced: list[int]) -> None:
+        self._forced = forced
+
+    def accept(self, token_id: int) -> bool:
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        return len(token_ids)
+
+    def forced_tokens(self) -> list[int]:
+        return list(self._forced)
+
+
+def test_prompt_lookup_continues_after_the_forced_text() -> None:
+    engine = core(True)
+    add_all(engine, {"r": ("abcdefgab", SamplingParams(max_tokens=20))})
+    request = engine.scheduler._requests["r"]
+    request.grammar = ForcingGrammar(list(b"cd"))
+    # "ab" + the forced "cd" ends in "abcd", found at the start, followed by "efg".
+    assert engine.scheduler._lookup(request, 5) == list(b"cdefg")
+    assert engine.scheduler._lookup(request, 1) == list(b"c")
