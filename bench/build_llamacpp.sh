@@ -10,7 +10,7 @@
 # the configuration at compile time in static storage. It only touches code compiled for
 # AMX CPUs, so elsewhere it changes nothing.
 #
-#   bench/build_llamacpp.sh [VENV]   VENV defaults to .venv
+#   bench/build_llamacpp.sh [VENV]   VENV defaults to .venv (relative to the repository root)
 #
 # -DGGML_NATIVE=ON compiles for this CPU (AMX where it has it), so the wheel runs only on
 # CPUs with the same instruction sets. Multimodal support (mtmd) is not built: the bench
