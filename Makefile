@@ -68,12 +68,13 @@ bench: $(STAMP)
 	$(BIN)/python bench/paths.py
 
 # Opt-in, never part of `make test` or `make bench`: llama.cpp as a peer on the same GGUF
-# in the same run (bench/llamacpp_peer.py). pip builds llama-cpp-python from source, about
-# 20 minutes on 2 cores (needs cmake and a C++ compiler). --no-deps, then its small
+# in the same run (bench/llamacpp_peer.py). bench/build_llamacpp.sh builds llama-cpp-python
+# from source for this CPU with our fix for llama.cpp's AMX matmul under GCC 12, about 20
+# minutes on 2 cores (needs cmake and a C++ compiler). --no-deps, then its small
 # pure-Python dependencies by name (no-ops where present), so nothing can touch torch.
 bench-llamacpp: export GOMP_SPINCOUNT ?= 30000
 bench-llamacpp: $(STAMP)
-	$(BIN)/python -m pip install --no-deps llama-cpp-python==0.3.36
+	bench/build_llamacpp.sh $(VENV)
 	$(BIN)/python -m pip install -q 'diskcache>=5.6.1' 'numpy>=1.20' 'jinja2>=2.11.3' \
 		'typing-extensions>=4.5'
 	$(BIN)/python bench/model.py
