@@ -7,7 +7,8 @@ measured on the machine itself, at load, and kept on disk (`kernel_cache.py`).
 
 Theory of operation: float32 on a CPU with oneDNN has a choice of two kernels
 ("blas" or "onednn"); `weights="auto"` adds the rounding kernels this CPU runs fast,
-"onednn-bf16" where it has native bfloat16 and "fbgemm" (int8), each admitted only if
+"onednn-bf16" where it has native bfloat16, "fbgemm" (int8) and "woq" (weight-only: a GGUF's
+4-bit blocks as they are, 8 bits elsewhere; where every product packs), each admitted only if
 the model's predictions with it stay within `quality.MIN_AGREEMENT` and
 `MAX_PERPLEXITY_CHANGE` of float32's (judged by the caller's `quality`, on the loaded
 weights; only for kernels the clock would choose, since judging runs the model in
@@ -33,7 +34,7 @@ Rules:
 3. Otherwise the plan cached under this machine's key is used (for "auto", the key
    names the model too: the accuracy budget is judged on its weights); failing that,
    every class is measured and the plan cached.
-4. Kernels are ranked in the order blas, onednn, onednn-bf16, fbgemm (simpler, more
+4. Kernels are ranked in the order blas, onednn, onednn-bf16, fbgemm, woq (simpler, more
    exact, fewer extra forms first): a later kernel replaces the one chosen so far only
    if its time is `MARGIN` below it, so a tie keeps the simpler kernel, which also
    needs no second form of the weights.
@@ -66,6 +67,7 @@ from wavecore.engine.model.kernel_plan import (
 )
 from wavecore.engine.model.linear import Projection, can_pack, can_pack_bf16
 from wavecore.engine.model.quality import QualityReport
+from wavecore.engine.model.woq_linear import can_pack_woq
 
 MARGIN = 0.1
 _STREAM_BYTES = 64 * 2**20
@@ -73,7 +75,7 @@ _STREAM_BYTES = 64 * 2**20
 _MEASURED_AT = {"decode": (1, 7), "small": (8, 7), "large": (64, 5), "prefill": (256, 5)}
 _FLOAT_KERNELS: tuple[Kernel, ...] = ("blas", "onednn")
 # The kernels that round the weights, admitted only within the accuracy budget.
-ROUNDING_KERNELS: tuple[Kernel, ...] = ("onednn-bf16", "fbgemm")
+ROUNDING_KERNELS: tuple[Kernel, ...] = ("onednn-bf16", "fbgemm", "woq")
 
 Timer = Callable[[], float]
 # Seconds of each kernel's runs, by shape class.
@@ -120,8 +122,10 @@ class ProjectionShapes:
         )
 
     def unit(self) -> tuple[tuple[int, int], ...]:
-        """One layer's shapes and the LM head's share of a step, as a slice of its rows."""
-        return (*self.layer, (-(-self.head[0] // self.num_layers), self.head[1]))
+        """One layer's shapes and the LM head's share of a step, as a slice of its rows
+        (in 16s, as the 4-bit packing takes them)."""
+        rows = -(-self.head[0] // (16 * self.num_layers)) * 16
+        return (*self.layer, (rows, self.head[1]))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,14 +165,16 @@ def choose_kernels(
             raise ValueError(f"{FORCE_ENV}: only 'blas' runs {dtype} on {device}")
         origin = "forced" if forced else "fixed"
         return KernelChoice(plan=KernelPlan.uniform("blas"), origin=origin, cpu=cpu)
-    candidates = candidate_kernels(device, dtype, weights)
+    shapes = ProjectionShapes.of(config)
+    candidates = candidate_kernels(device, dtype, weights, shapes)
     for name, kernel in forced.items():
         if kernel not in candidates:
             raise ValueError(f"{FORCE_ENV}: {name}={kernel} cannot run {weights} weights here")
-    shapes = ProjectionShapes.of(config)
     if len(forced) == len(SHAPE_CLASSES):
         return KernelChoice(plan=KernelPlan(**forced), origin="forced", cpu=cpu)
-    key = cache_key(cpu, dtype, weights, shapes)
+    # The candidates are in the key: a kernel added to wavecore is measured, not
+    # ignored for a plan cached before it existed.
+    key = f"{cache_key(cpu, dtype, weights, shapes)} | {' '.join(candidates)}"
     if weights == "auto":
         key += f" | model {model_key}"
     cache = cache if cache is not None else KernelCache()
@@ -206,8 +212,11 @@ def choose_kernels(
     )
 
 
-def candidate_kernels(device: torch.device, dtype: torch.dtype, weights: str) -> list[Kernel]:
-    """The kernels `weights` may run on `device` in `dtype`, in rule 4's order."""
+def candidate_kernels(
+    device: torch.device, dtype: torch.dtype, weights: str, shapes: ProjectionShapes | None = None
+) -> list[Kernel]:
+    """The kernels `weights` may run on `device` in `dtype`, in rule 4's order (with
+    `shapes`, "woq" where every product can be packed for it)."""
     kernels: list[Kernel] = ["blas"]
     if can_pack(device, dtype):
         kernels.append("onednn")
@@ -215,6 +224,12 @@ def candidate_kernels(device: torch.device, dtype: torch.dtype, weights: str) ->
         kernels.append("onednn-bf16")
     if weights == "auto" and device.type == "cpu" and dtype == torch.float32 and has_fbgemm():
         kernels.append("fbgemm")
+    if (
+        weights == "auto"
+        and shapes is not None
+        and all(can_pack_woq(device, dtype, i, o) for o, i in (*shapes.layer, shapes.head))
+    ):
+        kernels.append("woq")
     return kernels
 
 

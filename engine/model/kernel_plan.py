@@ -6,8 +6,8 @@ for the LM head); each class has one kernel:
 | class | rows | typical step |
 |---|---|---|
 | decode | 1 | one sequence decoding |
-| small | 2-16 | a few decodes |
-| large | 17-128 | many decodes |
+| small | 2-8 | a few decodes |
+| large | 9-128 | many decodes |
 | prefill | over 128 | prompt chunks |
 
 Kernels (`linear.Projection` runs them):
@@ -16,9 +16,12 @@ Kernels (`linear.Projection` runs them):
 - "onednn-bf16": oneDNN's linear on the matrix rounded to bfloat16 (AMX or AVX-512
   BF16 CPUs only), float32 in and out;
 - "fbgemm": fbgemm's int8 dynamic linear (`int8_linear.Int8Projection`), the only
-  kernel of int8 weights; it is named in plans so reports say what ran.
+  kernel of int8 weights; it is named in plans so reports say what ran;
+- "woq": torch's CPU weight-only products, 4 bits where the weights are 4-bit groups
+  (a GGUF's Q4_1 blocks), else 8 bits per channel, bfloat16 activations
+  (`woq_linear.WeightOnlyProjection`).
 
-With `weights="auto"` one plan may mix all four (`path_choice.py`): each class runs
+With `weights="auto"` one plan may mix all five (`path_choice.py`): each class runs
 the fastest within the accuracy budget, so the plan names the dtype that ran too.
 
 `WAVECORE_KERNELS` forces kernels instead of measuring them (tests, benchmarks): one
@@ -32,11 +35,14 @@ import os
 from dataclasses import dataclass, fields
 from typing import Literal
 
-Kernel = Literal["blas", "onednn", "onednn-bf16", "fbgemm"]
-KERNELS: tuple[Kernel, ...] = ("blas", "onednn", "onednn-bf16", "fbgemm")
+Kernel = Literal["blas", "onednn", "onednn-bf16", "fbgemm", "woq"]
+KERNELS: tuple[Kernel, ...] = ("blas", "onednn", "onednn-bf16", "fbgemm", "woq")
 SHAPE_CLASSES = ("decode", "small", "large", "prefill")
 # The last row count of each class but the open-ended prefill.
-_LAST_ROWS = {"decode": 1, "small": 16, "large": 128}
+# "small" ends at 8: the weight-only kernel, which reads the weights again for each
+# row, led oneDNN's bfloat16 by 9% at 8 rows and trailed it by 20% at 16 (SmolLM2 on
+# the README's Xeon), and a class is measured at its last row count.
+_LAST_ROWS = {"decode": 1, "small": 8, "large": 128}
 FORCE_ENV = "WAVECORE_KERNELS"
 
 

@@ -19,11 +19,15 @@ the residual stream. Which kernel runs depends on the rows of `x`, by the projec
   20 ms at batch 1 against float32 BLAS's 26, 32 against 92 at batch 64.
 - "fbgemm": the int8 form (`int8_linear.Int8Projection`), held here when a plan mixes
   it with float kernels (`weights="auto"`).
+- "woq": weight-only 4 or 8 bits (`woq_linear.WeightOnlyProjection`): a GGUF's Q4_1
+  blocks as they are, 8 bits per channel for any other matrix; bfloat16 activations.
+  For batch-1 decode, which streams every weight once: an eighth to a quarter of
+  float32's bytes.
 
 A projection keeps each form its plan names and no other: a plan that mixes kernels
 keeps several (more memory, bought for speed, and only when measured faster). The
-float32 kernels differ only in the order of accumulation; "onednn-bf16" and "fbgemm"
-round, and are chosen only within an accuracy budget (`path_choice.py`).
+float32 kernels differ only in the order of accumulation; "onednn-bf16", "fbgemm"
+and "woq" round, and are chosen only within an accuracy budget (`path_choice.py`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import torch
 
 from wavecore.engine.model.int8_linear import Int8Projection
 from wavecore.engine.model.kernel_plan import Kernel, KernelPlan
+from wavecore.engine.model.woq_linear import GROUP as WOQ_GROUP
+from wavecore.engine.model.woq_linear import WeightOnlyProjection, can_pack_woq
 
 # oneDNN picks its blocking for an expected row count; decode batches are the steps
 # whose speed depends on the product most (prefill chunks are large enough for any).
@@ -106,6 +112,7 @@ class Projection:
     out_features: int
     bf16: torch.Tensor | None = None  # oneDNN's bfloat16 layout, for "onednn-bf16"
     int8: Int8Projection | None = None  # for "fbgemm" in a mixed plan
+    woq: WeightOnlyProjection | None = None  # for "woq"
 
     @classmethod
     def build(
@@ -137,6 +144,11 @@ class Projection:
                 f"kernel 'onednn-bf16' needs float32 activations on a CPU with native "
                 f"bfloat16 (AMX or AVX-512 BF16) and oneDNN, not {dtype} on {device}"
             )
+        if kernels.uses("woq") and not can_pack_woq(device, dtype, in_features, out_features):
+            raise ValueError(
+                f"kernel 'woq' needs float32 on a CPU, inputs in groups of {WOQ_GROUP} and "
+                f"outputs in 16s, not {dtype} on {device} for {in_features} -> {out_features}"
+            )
         plain = dense.t().contiguous() if kernels.uses("blas") else None
         blocked = pack(dense) if kernels.uses("onednn") else None
         bf16 = pack_bf16(dense) if kernels.uses("onednn-bf16") else None
@@ -148,6 +160,7 @@ class Projection:
             out_features,
             bf16,
             int8 if kernels.uses("fbgemm") else None,
+            WeightOnlyProjection.build(dense) if kernels.uses("woq") else None,
         )
 
     def run_by(self, kernels: KernelPlan) -> Projection:
@@ -169,6 +182,7 @@ class Projection:
             self.out_features,
             self.bf16 if uses("onednn-bf16") else None,
             self.int8 if uses("fbgemm") else None,
+            self.woq if uses("woq") else None,
         )
 
     def _form(self, kernel: Kernel) -> object | None:
@@ -177,6 +191,7 @@ class Projection:
             "onednn": self.blocked,
             "onednn-bf16": self.bf16,
             "fbgemm": self.int8,
+            "woq": self.woq,
         }[kernel]
 
     @property
@@ -197,7 +212,7 @@ class Projection:
         bfloat16 or int8, dequantized), by multiplying it with an identity matrix."""
         if self.plain is not None:
             return self.plain.t()
-        for kernel in ("onednn", "onednn-bf16", "fbgemm"):
+        for kernel in ("onednn", "onednn-bf16", "fbgemm", "woq"):
             if self._form(kernel) is not None:
                 eye = torch.eye(self.in_features)
                 return self.run_by(KernelPlan.uniform(kernel))(eye).t()
@@ -212,6 +227,8 @@ class Projection:
             return packed_product(x, self.blocked)
         if kernel == "onednn-bf16":
             return bf16_product(x, self.bf16)
+        if kernel == "woq":
+            return self.woq(x)  # type: ignore[misc]
         return self.int8(x)  # type: ignore[misc]
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -223,14 +240,16 @@ class Projection:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.blocked, None, "add")
         if kernel == "onednn-bf16":
             return residual.add_(bf16_product(x, self.bf16))
+        if kernel == "woq":
+            return residual.add_(self.woq(x))  # type: ignore[misc]
         return self.int8.add_to(residual, x)  # type: ignore[union-attr]
 
     def to(self, device: torch.device) -> Projection:
         """This projection on `device`; a packed one lives on the CPU and stays there."""
         if device.type == "cpu" and self.weight.device.type == "cpu":
             return self
-        if self.plain is None or self.blocked is not None or self.bf16 is not None:
-            raise ValueError(f"a oneDNN-packed projection cannot move to {device}")
+        if self.plain is None or any(f is not None for f in (self.blocked, self.bf16, self.woq)):
+            raise ValueError(f"a CPU-packed projection cannot move to {device}")
         return Projection(
             self.plain.to(device), None, self.kernels, self.in_features, self.out_features
         )
@@ -243,4 +262,4 @@ class Projection:
             for form in (self.plain, self.blocked, self.bf16)
             if form is not None
         )
-        return total + (self.int8.num_bytes if self.int8 is not None else 0)
+        return sum((form.num_bytes for form in (self.int8, self.woq) if form is not None), total)

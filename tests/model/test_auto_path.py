@@ -23,7 +23,7 @@ from wavecore.engine.model.scoring import score_sequences
 
 CPU = torch.device("cpu")
 CONFIG = KERNEL_TEST_CONFIG
-ALL = ("blas", "onednn", "onednn-bf16", "fbgemm")
+ALL = ("blas", "onednn", "onednn-bf16", "fbgemm", "woq")
 MIXED = KernelPlan(decode="fbgemm", small="onednn-bf16", large="onednn-bf16", prefill="blas")
 
 
@@ -94,8 +94,8 @@ class Judge:
 
 def clock(**plan: str):
     """A `Measure` under which each class's kernel in `plan` is fastest, then the
-    others in the order fbgemm, onednn-bf16, onednn, blas."""
-    speed = {"fbgemm": 1.0, "onednn-bf16": 2.0, "onednn": 3.0, "blas": 4.0}
+    others in the order fbgemm, onednn-bf16, onednn, blas, woq."""
+    speed = {"woq": 5.0, "fbgemm": 1.0, "onednn-bf16": 2.0, "onednn": 3.0, "blas": 4.0}
 
     def measure(shapes: object, classes: list[str], kernels: list[str]) -> dict:
         return {
@@ -121,7 +121,7 @@ def choose(cache: KernelCache, judge: Judge | None, measure, model_key: str = "m
 
 @pytest.fixture
 def every_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """All four kernels are candidates (the choice here never runs them)."""
+    """All five kernels are candidates (the choice here never runs them)."""
     if not linear.can_pack(CPU, torch.float32) or not kernel_choice.has_fbgemm():
         pytest.skip("this torch build has no oneDNN or fbgemm")
     monkeypatch.setattr(kernel_choice, "can_pack_bf16", lambda device, dtype: True)
