@@ -34,9 +34,12 @@ CITY = {
 async def test_the_real_model_generates_at_dp_size_2_in_lockstep() -> None:
     # sync_interval=1 ends the wave right after the work, so the idle rank's dummy
     # forwards (real forwards of the model here) stop at once.
+    # float32: ranks that start before any other real-model test would each measure
+    # the default path's kernel plan at once (tests/model checks that path).
     config = EngineConfig(
         dp_size=2,
         device="cpu",
+        weights="float32",
         kv_cache_memory=64 * 2**20,
         max_model_len=256,
         sync_interval=1,

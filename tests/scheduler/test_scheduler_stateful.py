@@ -336,8 +336,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.transcript.record(updates)
 
 
-# Each example is cheap, so these machines run four times the profile's examples.
-_more = settings(max_examples=settings().max_examples * 4)
+# Each example is cheap, so these machines run twice the profile's examples.
+_more = settings(max_examples=settings().max_examples * 2)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = _more
 TestSchedulerMachine = SchedulerMachine.TestCase
