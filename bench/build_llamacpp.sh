@@ -7,8 +7,11 @@
 # _tile_loadconfig tells the compiler it reads only 8 bytes of it, so the stores that set
 # the tiles' rows and widths are dropped as dead and ldtilecfg faults (SIGSEGV) on the
 # first prompt on an AMX CPU (upstream llama.cpp issue 20824, PR 26954). The patch builds
-# the configuration at compile time in static storage. It only touches code compiled for
-# AMX CPUs, so elsewhere it changes nothing.
+# the configuration at compile time in static storage, and loads it on every matmul call
+# rather than once per thread: torch's oneDNN, in the same process in the benchmarks,
+# releases the tiles on the same OpenMP threads, and llama.cpp's next tile instruction
+# was then an invalid opcode (SIGILL). It only touches code compiled for AMX CPUs, so
+# elsewhere it changes nothing.
 #
 #   bench/build_llamacpp.sh [VENV]   VENV defaults to .venv (relative to the repository root)
 #

@@ -314,7 +314,11 @@ def main() -> None:
             executor.source.path, torch.get_num_threads(), context + steps + 8
         )
     if llama is not None:
-        ours = {"float32": executor, **({"int8": int8} if int8 is not None else {})}
+        ours = {
+            "float32": executor,
+            **({"int8": int8} if int8 is not None else {}),
+            **({"auto": auto} if auto is not None else {}),
+        }
         prompt = make_prompts(1, context, config.vocab_size)[0]
         rounds = 1 if args.quick else 3
         rates = against_llamacpp(llama, ours, prompt, steps, rounds)
@@ -327,6 +331,8 @@ def main() -> None:
             "wavecore_int8_batch1_tok_s": rates.get("int8"),
             "float32_vs_llamacpp": rates["float32"] / rates["llama.cpp"],
             "int8_vs_llamacpp": rates["int8"] / rates["llama.cpp"] if "int8" in rates else None,
+            "wavecore_auto_batch1_tok_s": rates.get("auto"),
+            "auto_vs_llamacpp": rates["auto"] / rates["llama.cpp"] if "auto" in rates else None,
         }
     generate = None
     if peer is not None:
@@ -402,7 +408,9 @@ def main() -> None:
             f"{llamacpp['wavecore_float32_batch1_tok_s']:.1f} "
             f"({llamacpp['float32_vs_llamacpp']:.2f}x), int8 "
             f"{show(llamacpp['wavecore_int8_batch1_tok_s'], '{:.1f}')} "
-            f"({show(llamacpp['int8_vs_llamacpp'], '{:.2f}x')})"
+            f"({show(llamacpp['int8_vs_llamacpp'], '{:.2f}x')}), default path "
+            f"{show(llamacpp['wavecore_auto_batch1_tok_s'], '{:.1f}')} "
+            f"({show(llamacpp['auto_vs_llamacpp'], '{:.2f}x')})"
         )
     int8_one = rows[0]["int8_tok_s"]
     if int8_one is not None and int8_bytes and int8_roof:

@@ -176,3 +176,7 @@ class Int8Projection:
             + self.outlier_weight.numel() * 4
             + self.input_scale.numel() * 4
         )
+
+    def bytes_read(self, rows: int) -> int:
+        """Every product reads the one form."""
+        return self.num_bytes

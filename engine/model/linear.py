@@ -254,6 +254,13 @@ class Projection:
             self.plain.to(device), None, self.kernels, self.in_features, self.out_features
         )
 
+    def bytes_read(self, rows: int) -> int:
+        """The bytes of the one form a product of `rows` rows reads."""
+        form = self._form(self.kernels.for_rows(rows))
+        if isinstance(form, torch.Tensor):
+            return self.in_features * self.out_features * form.element_size()
+        return form.num_bytes  # type: ignore[union-attr]
+
     @property
     def num_bytes(self) -> int:
         elements = self.in_features * self.out_features

@@ -63,9 +63,14 @@ class ModelWeights:
     @property
     def streamed_bytes(self) -> int:
         """What a batch-1 step reads: every weight but the embedding, of which it reads
-        one row (a tied embedding that shares the head's memory is read as the head)."""
+        one row (a tied embedding that shares the head's memory is read as the head),
+        each projection in the one form its plan runs one row on."""
         own_embed = 0 if self.shares_embedding else self.embed.numel() * self.embed.element_size()
-        return self.num_bytes - own_embed
+        projections = [self.lm_head]
+        for layer in self.layers:
+            projections += [layer.qkv, layer.o, layer.gate_up, layer.down]
+        unread = sum(p.num_bytes - p.bytes_read(rows=1) for p in projections)
+        return self.num_bytes - own_embed - unread
 
     @property
     def shares_embedding(self) -> bool:

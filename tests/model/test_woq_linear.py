@@ -75,6 +75,9 @@ def test_a_mixed_plan_holds_both_forms_and_runs_each_class_on_its_own() -> None:
             assert not torch.equal(got, exact) and relative_error(got, exact) < 1e-2
         torch.testing.assert_close(projection.add_to(torch.ones(rows, 64), x), got + 1)
     assert projection.num_bytes == matrix.numel() * 4 + projection.woq.num_bytes
+    # A batch-1 step reads the 4-bit form only; a prefill the float32 one.
+    assert projection.bytes_read(rows=1) == projection.woq.num_bytes
+    assert projection.bytes_read(rows=200) == matrix.numel() * 4
     only_woq = projection.run_by(WOQ).trimmed()
     assert only_woq.plain is None and only_woq.num_bytes == projection.woq.num_bytes
     # The dequantized matrix comes back from the 4-bit form (bfloat16-rounded).
