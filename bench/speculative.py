@@ -17,6 +17,7 @@ engine then has an executor of its own, the draft attached.
 
 Usage: python bench/speculative.py [--quick] [--rounds N] [--k K]
        [--method ngram|draft_model] [--draft-model PATH] [--draft-weights W]
+       [--path float32|auto]   (float32, the default: exact; auto: the default path)
 """
 
 from __future__ import annotations
@@ -134,13 +135,23 @@ def main() -> None:
     parser.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
     parser.add_argument("--draft-model", help="default: the shipped model")
     parser.add_argument("--draft-weights", choices=["auto", "float32", "int8"], default="float32")
+    parser.add_argument(
+        "--path",
+        choices=["float32", "auto"],
+        default="float32",
+        help="float32 (exact: outputs comparable token for token) or the default path",
+    )
     args = parser.parse_args()
     rounds = 1 if args.quick else args.rounds
     max_tokens = 64 if args.quick else 200
     # Two cores over one executor share its KV cache: neither may keep a prefix cache,
     # whose blocks the other would overwrite.
     config = EngineConfig(
-        device="cpu", dtype="float32", max_num_seqs=64, enable_prefix_caching=False
+        device="cpu",
+        dtype=args.path,
+        weights=args.path,
+        max_num_seqs=64,
+        enable_prefix_caching=False,
     )
     plain = EngineCore.from_config(config)
     spec_config = dataclasses.replace(
@@ -178,8 +189,10 @@ def main() -> None:
     )
     timed(plain, cases["open chat, batch 1"][0], cases["open chat, batch 1"][1])  # warm up
     rows: list[dict[str, Any]] = []
+    plan_text = "/".join(plain.executor.kernels.plan.as_dict().values())
     print(
-        f"Speculative decoding ({method}, k={args.k}) against plain, greedy ({machine['cpu']}, {machine['cpus']} CPUs)"
+        f"Speculative decoding ({method}, k={args.k}) against plain, greedy, {args.path} path "
+        f"(kernels {plan_text}; {machine['cpu']}, {machine['cpus']} CPUs)"
     )
     print(f"{'workload':<24} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'accepted':>8} {'per draft':>9} same")  # fmt: skip
     for name, (prompts, params) in cases.items():
@@ -215,9 +228,18 @@ def main() -> None:
             f"{row['acceptance_rate']:>8.2f} {row['accepted_per_draft']:>9.2f} "
             f"{'yes' if identical else 'no'}"
         )
-    results = RESULTS / ("speculative.json" if args.method == "ngram" else "speculative_draft.json")
+    stem = "speculative" if args.method == "ngram" else "speculative_draft"
+    results = RESULTS / (f"{stem}.json" if args.path == "float32" else f"{stem}_{args.path}.json")
     results.parent.mkdir(exist_ok=True)
-    report = {"machine": machine, "method": method, "k": args.k, "rows": rows}
+    kernels = plain.executor.kernels.plan.as_dict()
+    report = {
+        "machine": machine,
+        "method": method,
+        "k": args.k,
+        "path": args.path,
+        "kernels": kernels,
+        "rows": rows,
+    }
     results.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {results}")
     plain.close()
