@@ -13,7 +13,8 @@ reaches for its own bytes (the roof: this machine's streaming rate, measured in 
 same run as in `bench/model.py`; a weight that fits in the caches, as all but the LM
 head do, is read faster than that, so only the LM head's share says how near the roof
 a kernel streams). The int4 error against the dequantized weights is printed too (it
-must be rounding only).
+must be rounding only). The kernel is timed twice: with float32 activations, and
+with bfloat16 ones (its vectorized path, the one the engine's "woq" kernel takes).
 
 Prints a table, writes bench/results/int4_candidate.json.
 Usage: python bench/int4_candidate.py [--rounds N] [--output FILE]
@@ -94,7 +95,7 @@ def main() -> None:
     print(
         f"4-bit candidate, one row, one thread ({machine['cpu']}; streaming roof {roof:.1f} GB/s)"
     )
-    print(f"{'shape':<8} {'in x out':>12} {'f32 us':>8} {'bf16 us':>8} {'int4 us':>8} {'int4/f32':>8} {'f32 roof':>8} {'int4 roof':>9} {'int4 err':>9}")  # fmt: skip
+    print(f"{'shape':<8} {'in x out':>12} {'f32 us':>8} {'bf16 us':>8} {'int4 us':>8} {'int4/f32':>8} {'int4 bf16-in us':>15} {'/f32':>6} {'f32 roof':>8} {'int4 roof':>9} {'bf16-in roof':>12} {'int4 err':>9}")  # fmt: skip
     rows = []
     for name, (in_features, out_features) in SHAPES.items():
         weight = torch.randn(out_features, in_features) * 0.05
@@ -105,10 +106,18 @@ def main() -> None:
         def int4(row=row, packed=packed, scales=scales_and_zeros) -> torch.Tensor:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(row, packed, GROUP, scales)
 
+        # The same product with bfloat16 activations (and scales): the kernel's
+        # vectorized path, which the engine's "woq" kernel takes.
+        scales_bf16 = scales_and_zeros.to(torch.bfloat16)
+
+        def int4_bf16_in(row=row_bf16, packed=packed, scales=scales_bf16) -> torch.Tensor:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(row, packed, GROUP, scales)
+
         error = (int4() - row @ dequantized.t()).abs().max().item()
         float32_us = median_us(lambda: F.linear(row, weight), args.rounds)  # noqa: B023
         bf16_us = median_us(lambda: F.linear(row_bf16, weight_bf16), args.rounds)  # noqa: B023
         int4_us = median_us(int4, args.rounds)
+        int4_bf16_in_us = median_us(int4_bf16_in, args.rounds)
         elements = in_features * out_features
         result = {
             "shape": name,
@@ -117,15 +126,19 @@ def main() -> None:
             "float32_us": float32_us,
             "bf16_us": bf16_us,
             "int4_us": int4_us,
+            "int4_bf16_in_us": int4_bf16_in_us,
             "float32_roof_share": elements * 4 / (float32_us / 1e6) / 1e9 / roof,
             "int4_roof_share": elements / 2 / (int4_us / 1e6) / 1e9 / roof,
+            "int4_bf16_in_roof_share": elements / 2 / (int4_bf16_in_us / 1e6) / 1e9 / roof,
             "int4_max_error": error,
         }
         rows.append(result)
         print(
             f"{name:<8} {in_features:>5} x {out_features:<5} {float32_us:>8.0f} {bf16_us:>8.0f} "
-            f"{int4_us:>8.0f} {int4_us / float32_us:>7.1f}x {result['float32_roof_share']:>8.0%} "
-            f"{result['int4_roof_share']:>9.0%} {error:>9.1e}"
+            f"{int4_us:>8.0f} {int4_us / float32_us:>7.1f}x {int4_bf16_in_us:>15.0f} "
+            f"{int4_bf16_in_us / float32_us:>5.2f}x {result['float32_roof_share']:>8.0%} "
+            f"{result['int4_roof_share']:>9.0%} {result['int4_bf16_in_roof_share']:>12.0%} "
+            f"{error:>9.1e}"
         )
     args.output.parent.mkdir(exist_ok=True)
     args.output.write_text(
