@@ -180,6 +180,9 @@ def test_logprobs_are_those_of_the_constrained_distribution(core: EngineCore) ->
     assert core.tokenizer.decode(result["tokens"]) in spec.choice
 
 
+# `make soak` (8 s): the null executor's structured engine tests run the batch queue's
+# deferred bitmask at dp 2 in `make test`.
+@pytest.mark.soak
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_greedy_constrained_output_is_the_same_with_the_batch_queue(
