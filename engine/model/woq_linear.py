@@ -17,8 +17,8 @@ weight-only quantization on CPUs) and `aten._weight_int8pack_mm`. Both are vecto
 for bfloat16 activations; the 4-bit one took 20-50x longer in float32 or float16 on the
 Xeon of the README's figures. So `x` is rounded to bfloat16 on the way in (as
 "onednn-bf16" rounds it) and the product comes back in float32; scales and zeros are
-bfloat16 too. One row streams the weights at close to the memory's rate (about a
-quarter and a half of the bytes of the bfloat16 form); each further row reads them
+bfloat16 too. One row streams the weights at close to the memory's rate (4 bits: a
+quarter of the bfloat16 form's bytes, 8 bits: half); each further row reads them
 again, so from a few rows on oneDNN's bfloat16 wins: the kernel plan measures which
 shape classes this kernel serves (`kernel_choice.py`).
 """
