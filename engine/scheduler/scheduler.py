@@ -624,11 +624,11 @@ class Scheduler:
         tokenization the model would not choose is only rejected), and the lookup
         continues after it."""
         grammar = request.grammar
-        forced = grammar.forced_tokens()[:count] if grammar is not None else []
-        if len(forced) < count:
-            history = request.token_ids + forced if forced else request.token_ids
-            forced += self._proposer.propose(history, count - len(forced))
-        return forced
+        drafts = grammar.forced_tokens()[:count] if grammar is not None else []
+        if len(drafts) < count:
+            history = request.token_ids + drafts if drafts else request.token_ids
+            drafts += self._proposer.propose(history, count - len(drafts))
+        return drafts
 
     def _verified(
         self, request: Request, chunk: SequenceChunk, samples: Sequence[SampledToken]
