@@ -50,14 +50,12 @@ class ModelWeights:
     @property
     def num_bytes(self) -> int:
         tensors = [self.final_norm, *([] if self.shares_embedding else [self.embed])]
-        projections = [self.lm_head]
         for layer in self.layers:
             tensors += [layer.attn_norm, layer.ffn_norm]
-            projections += [layer.qkv, layer.o, layer.gate_up, layer.down]
             if layer.qkv_bias is not None:
                 tensors.append(layer.qkv_bias)
         return sum(t.numel() * t.element_size() for t in tensors) + sum(
-            p.num_bytes for p in projections
+            p.num_bytes for p in self._projections()
         )
 
     @property
@@ -66,11 +64,14 @@ class ModelWeights:
         one row (a tied embedding that shares the head's memory is read as the head),
         each projection in the one form its plan runs one row on."""
         own_embed = 0 if self.shares_embedding else self.embed.numel() * self.embed.element_size()
+        unread = sum(p.num_bytes - p.bytes_read(rows=1) for p in self._projections())
+        return self.num_bytes - own_embed - unread
+
+    def _projections(self) -> list[AnyProjection]:
         projections = [self.lm_head]
         for layer in self.layers:
             projections += [layer.qkv, layer.o, layer.gate_up, layer.down]
-        unread = sum(p.num_bytes - p.bytes_read(rows=1) for p in projections)
-        return self.num_bytes - own_embed - unread
+        return projections
 
     @property
     def shares_embedding(self) -> bool:
