@@ -189,7 +189,8 @@ def main() -> None:
     )
     timed(plain, cases["open chat, batch 1"][0], cases["open chat, batch 1"][1])  # warm up
     rows: list[dict[str, Any]] = []
-    plan_text = "/".join(plain.executor.kernels.plan.as_dict().values())
+    kernels = plain.executor.kernels.plan.as_dict()
+    plan_text = "/".join(kernels.values())
     print(
         f"Speculative decoding ({method}, k={args.k}) against plain, greedy, {args.path} path "
         f"(kernels {plan_text}; {machine['cpu']}, {machine['cpus']} CPUs)"
@@ -231,7 +232,6 @@ def main() -> None:
     stem = "speculative" if args.method == "ngram" else "speculative_draft"
     results = RESULTS / (f"{stem}.json" if args.path == "float32" else f"{stem}_{args.path}.json")
     results.parent.mkdir(exist_ok=True)
-    kernels = plain.executor.kernels.plan.as_dict()
     report = {
         "machine": machine,
         "method": method,
