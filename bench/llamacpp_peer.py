@@ -14,6 +14,12 @@ per token), wavecore dequantizes them to float32 (538 MB) or requantizes them to
   of `steps` decode steps is timed on its own (one token evaluated and the next
   sampled greedily, Python overhead included, as wavecore's step includes its
   sampler) and the rate is 1 / the median step time.
+- `batched_decode_tok_s`: greedy decode of several sequences in one KV cache, one
+  token of each per `llama_decode` call (llama.cpp's own batched decoding, as its
+  `llama-batched-bench` does it), measured as `bench/model.py` measures wavecore's
+  batched decode: every prompt evaluated first, one step untimed, then `steps` steps
+  timed (the argmax of each sequence's logits included), the rate the sequences
+  divided by the median step time.
 - `one_at_a_time`: end to end, one request after another through the high-level API
   (`Llama.generate`, greedy, EOS not checked, as wavecore's `ignore_eos`), prefill
   included, timed like `bench/generate.py`'s rows.
@@ -23,6 +29,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +39,25 @@ from wavecore.engine.cli.latency import RequestTimer, RunSummary
 NOT_INSTALLED = "llama.cpp: not installed (make bench-llamacpp)"
 
 
-def open_peer(model: Path, threads: int, n_ctx: int) -> Any | None:
-    """A `llama_cpp.Llama` on `model`, or None after printing why there is none."""
+def importable(model: Path) -> bool:
+    """Whether llama.cpp is installed and can run `model`; if not, prints why not."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
     except ImportError:
         print(NOT_INSTALLED)
-        return None
+        return False
     if model.suffix != ".gguf":
         print(f"llama.cpp: skipped ({model.name} is not a GGUF file)")
+        return False
+    return True
+
+
+def open_peer(model: Path, threads: int, n_ctx: int) -> Any | None:
+    """A `llama_cpp.Llama` on `model`, or None after printing why there is none."""
+    if not importable(model):
         return None
+    from llama_cpp import Llama
+
     return Llama(
         model_path=str(model),
         n_threads=threads,
@@ -98,3 +115,70 @@ def one_at_a_time(llama: Any, prompts: list[list[int]], new_tokens: int) -> RunS
         output_tokens=new_tokens * len(prompts),
         seconds=seconds,
     )
+
+
+@contextmanager
+def batched_context(model: Path, threads: int, sequences: int, n_ctx: int) -> Iterator[Any]:
+    """A llama.cpp model and context holding `sequences` sequences in one cache of
+    `n_ctx` tokens (the high-level `Llama` allows one sequence per context)."""
+    import llama_cpp
+    from llama_cpp import _internals
+
+    model_params = llama_cpp.llama_model_default_params()
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = params.n_ubatch = min(n_ctx, 512)
+    params.n_seq_max = sequences
+    params.kv_unified = True  # one cache, as wavecore's paged pool is
+    params.n_threads = params.n_threads_batch = threads
+    llama_model = _internals.LlamaModel(path_model=str(model), params=model_params, verbose=False)
+    try:
+        context = _internals.LlamaContext(model=llama_model, params=params, verbose=False)
+        try:
+            yield context
+        finally:
+            context.close()
+    finally:
+        llama_model.close()
+
+
+def batched_decode_tok_s(context: Any, prompts: list[list[int]], steps: int) -> float:
+    """Greedy decode tokens/s of `prompts` decoding together (see the module)."""
+    import llama_cpp
+    import numpy as np
+
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(context.ctx), True)
+    vocab = context.model.n_vocab()
+    batch = llama_cpp.llama_batch_init(max(len(prompts), max(map(len, prompts))), 0, 1)
+    try:
+
+        def decode(entries: list[tuple[int, int, int]]) -> None:
+            """One `llama_decode` of `(token, position, sequence)` entries, logits for each."""
+            batch.n_tokens = len(entries)
+            for i, (token, position, sequence) in enumerate(entries):
+                batch.token[i], batch.pos[i] = token, position
+                batch.seq_id[i][0], batch.n_seq_id[i] = sequence, 1
+                batch.logits[i] = True
+            if llama_cpp.llama_decode(context.ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed (is the context large enough?)")
+
+        def argmax(row: int) -> int:
+            logits = llama_cpp.llama_get_logits_ith(context.ctx, row)
+            return int(np.ctypeslib.as_array(logits, shape=(vocab,)).argmax())
+
+        following = []
+        for sequence, prompt in enumerate(prompts):  # prefill, one sequence per call
+            decode([(token, position, sequence) for position, token in enumerate(prompt)])
+            following.append(argmax(len(prompt) - 1))
+        positions = [len(prompt) for prompt in prompts]
+        times = []
+        for step in range(steps + 1):
+            start = time.perf_counter()
+            decode([(following[s], positions[s], s) for s in range(len(prompts))])
+            following = [argmax(s) for s in range(len(prompts))]
+            if step:  # the first step is the warm-up
+                times.append(time.perf_counter() - start)
+            positions = [p + 1 for p in positions]
+        return len(prompts) / statistics.median(times)
+    finally:
+        llama_cpp.llama_batch_free(batch)

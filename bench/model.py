@@ -7,7 +7,9 @@ For each decode batch size B, both sides prefill the same B prompts (token ids,
 and at batch 1 also transformers `generate` and, where llama-cpp-python is installed
 (`make bench-llamacpp`), llama.cpp's decode on the same GGUF, prompt and step count
 (`bench/llamacpp_peer.py`), in rounds alternating with wavecore's float32 (and int8)
-executors: one line and the JSON's "llamacpp". The reference column is wavecore in
+executors: one line and the JSON's "llamacpp". Where it is installed, llama.cpp also
+decodes each batch size's prompts together in one cache (its batched decoding), right
+before wavecore's columns of that size: the "llama.cpp" column. The reference column is wavecore in
 float32 (`weights="float32"`, `dtype="float32"`); with `--weights float32 int8 auto`
 (the default) wavecore runs again with `weights="int8"` (int8 projections and LM head,
 `engine/model/int8_linear.py`) and with the default path (`weights="auto"`: per shape
@@ -42,6 +44,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -256,9 +259,26 @@ def main() -> None:
     int8_bytes = int8.streamed_weight_bytes if int8 is not None else None
     int8_roof = bandwidth * 1e9 / int8_bytes if int8_bytes else None
 
+    # llama.cpp (where installed) decoding the same batches in one cache, in the same loop.
+    batched_peer = ExitStack()
+    llama_batched = None
+    if not args.skip_peer and llamacpp_peer.importable(executor.source.path):
+        llama_batched = batched_peer.enter_context(
+            llamacpp_peer.batched_context(
+                executor.source.path,
+                torch.get_num_threads(),
+                max(batches),
+                max(batches) * (context + steps + 8),
+            )
+        )
     rows = []
     for batch in batches:
         prompts = make_prompts(batch, context, config.vocab_size)
+        theirs_cpp = (
+            llamacpp_peer.batched_decode_tok_s(llama_batched, prompts, steps)
+            if llama_batched is not None
+            else None
+        )
         ours = wavecore_decode(executor, prompts, steps)
         executor.reset_kv_cache()
         quantized = wavecore_decode(int8, prompts, steps) if int8 is not None else None
@@ -276,6 +296,8 @@ def main() -> None:
                 "int8_vs_float32": quantized / ours if quantized else None,
                 "auto_tok_s": default,
                 "auto_vs_float32": default / ours if default else None,
+                "llamacpp_tok_s": theirs_cpp,
+                "auto_vs_llamacpp": default / theirs_cpp if default and theirs_cpp else None,
                 "transformers_forward_tok_s": theirs,
                 "speedup": ours / theirs if theirs else None,
                 "wavecore_roof_fraction": ours * flops_per_token / 1e9 / roof,
@@ -284,6 +306,7 @@ def main() -> None:
                 else None,
             }
         )
+    batched_peer.close()
     forced: dict[str, ModelExecutor] = {}
     kernel_rows = []
     if not args.skip_kernels and executor.kernels.origin != "fixed":
@@ -351,7 +374,7 @@ def main() -> None:
     )
     print(
         f"{'batch':>5} {'wavecore tok/s':>15} {'int8 tok/s':>11} {'int8/f32':>9} "
-        f"{'auto tok/s':>11} {'auto/f32':>9} "
+        f"{'auto tok/s':>11} {'auto/f32':>9} {'llama.cpp':>10} {'auto/l.cpp':>10} "
         f"{'HF forward tok/s':>17} {'ratio':>6} {'wavecore roof':>14} {'HF roof':>8}"
     )
     for row in rows:
@@ -361,6 +384,8 @@ def main() -> None:
             f"{show(row['int8_vs_float32'], '{:.2f}x'):>9} "
             f"{show(row['auto_tok_s'], '{:.1f}'):>11} "
             f"{show(row['auto_vs_float32'], '{:.2f}x'):>9} "
+            f"{show(row['llamacpp_tok_s'], '{:.1f}'):>10} "
+            f"{show(row['auto_vs_llamacpp'], '{:.2f}x'):>10} "
             f"{show(row['transformers_forward_tok_s'], '{:.1f}'):>17} "
             f"{show(row['speedup'], '{:.2f}x'):>6} "
             f"{row['wavecore_roof_fraction']:>14.0%} "
