@@ -9,7 +9,9 @@ For C in the concurrency sweep both run, each measurement in a fresh process; th
 headline compares wavecore at C=64 against transformers at its best batch size.
 Where llama-cpp-python is installed (`make bench-llamacpp`), llama.cpp runs the C=1
 row's requests one at a time on the same GGUF (`bench/llamacpp_peer.py`), in a fresh
-process too: one more line and the JSON's "llamacpp".
+process too: one more line and the JSON's "llamacpp"; and the top concurrency's
+requests all together in one cache (llama.cpp's batched decoding, prompts evaluated
+one by one, then every sequence one token per call): the JSON's "llamacpp_batched".
 Prints a table, writes bench/results/generate.json and plots throughput against
 concurrency as a PNG; both name the CPU and the projection kernels wavecore chose
 (`engine/model/kernel_choice.py`; `WAVECORE_KERNELS` forces them).
@@ -163,6 +165,8 @@ def measure(
         return {**row(system, concurrency, summary), "kernels": kernels}
     if system == "llama.cpp":
         return measure_llamacpp(prompts, new_tokens)
+    if system == "llama.cpp batched":
+        return measure_llamacpp_batched(prompts, new_tokens, concurrency)
     summary = TransformersPeer().run(prompts, new_tokens, concurrency)
     return row(system, concurrency, summary)
 
@@ -179,6 +183,22 @@ def measure_llamacpp(prompts: list[list[int]], new_tokens: int) -> dict[str, Any
     summary = llamacpp_peer.one_at_a_time(llama, prompts, new_tokens)
     llama.close()
     return {**row("llama.cpp", 1, summary), "version": llamacpp_peer.version()}
+
+
+def measure_llamacpp_batched(
+    prompts: list[list[int]], new_tokens: int, concurrency: int
+) -> dict[str, Any] | None:
+    """llama.cpp decoding all `prompts` together in one cache (its batched decoding)."""
+    from wavecore.engine.model import default_model_path
+
+    path = default_model_path()
+    if not llamacpp_peer.importable(path):
+        return None
+    threads = len(os.sched_getaffinity(0))
+    n_ctx = len(prompts) * (max(map(len, prompts)) + new_tokens + 8)
+    with llamacpp_peer.batched_context(path, threads, len(prompts), n_ctx) as context:
+        summary = llamacpp_peer.batched_generate(context, prompts, new_tokens)
+    return {**row("llama.cpp batched", concurrency, summary), "version": llamacpp_peer.version()}
 
 
 def measure_alone(
@@ -233,11 +253,11 @@ def row(system: str, concurrency: int, summary: RunSummary) -> dict[str, Any]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    header = f"{'system':<14}{'conc':>5}{'reqs':>6}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}"
+    header = f"{'system':<18}{'conc':>5}{'reqs':>6}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>8}"
     print(header)
     for r in rows:
         print(
-            f"{r['system']:<14}{r['concurrency']:>5}{r['requests']:>6}{r['tokens_per_s']:>9.1f}"
+            f"{r['system']:<18}{r['concurrency']:>5}{r['requests']:>6}{r['tokens_per_s']:>9.1f}"
             f"{r['requests_per_s']:>8.2f}{r['ttft_p50_ms']:>9.0f}ms{r['ttft_p99_ms']:>7.0f}ms"
             f"{r['itl_p50_ms']:>7.1f}ms{r['itl_p99_ms']:>6.1f}ms"
         )
@@ -322,6 +342,13 @@ def main() -> None:
     if args.executor == "model" and 1 in sweep:
         # The C=1 row's requests, so the two compare one to one.
         llamacpp = measure_alone("llama.cpp", config, requests_at(prompts, 1), new_tokens, 1)
+    batched = None
+    if args.executor == "model" and not args.skip_peer:
+        # The top row's requests, all in one llama.cpp cache, as the engine holds them.
+        top = max(sweep)
+        batched = measure_alone(
+            "llama.cpp batched", config, requests_at(prompts, top), new_tokens, top
+        )
     summary = headline(rows)
     kernels = next((r["kernels"] for r in rows if "kernels" in r), {})
     print()
@@ -337,6 +364,17 @@ def main() -> None:
             f"stored): wavecore ({args.weights}) at C=1 is "
             f"{llamacpp['wavecore_c1_vs_llamacpp']:.2f}x, at C={max(ours)} "
             f"{llamacpp['wavecore_top_vs_llamacpp']:.2f}x that"
+        )
+    if batched is not None:
+        ours = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["system"] == "wavecore"}
+        batched["wavecore_vs_llamacpp"] = round(
+            ours[batched["concurrency"]] / batched["tokens_per_s"], 2
+        )
+        print_table([batched])
+        print(
+            f"llama.cpp {batched['version']}, the C={batched['concurrency']} requests decoding "
+            f"together in one cache: wavecore ({args.weights}) at C={batched['concurrency']} is "
+            f"{batched['wavecore_vs_llamacpp']:.2f}x that"
         )
     print(json.dumps(summary, indent=2))
 
@@ -354,6 +392,7 @@ def main() -> None:
         "rows": rows,
         "headline": summary,
         "llamacpp": llamacpp,
+        "llamacpp_batched": batched,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")

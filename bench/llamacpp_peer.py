@@ -20,6 +20,9 @@ per token), wavecore dequantizes them to float32 (538 MB) or requantizes them to
   batched decode: every prompt evaluated first, one step untimed, then `steps` steps
   timed (the argmax of each sequence's logits included), the rate the sequences
   divided by the median step time.
+- `batched_generate`: end to end, every prompt's sequence in one cache (prompts
+  evaluated one by one, then all sequences decoding together), timed like
+  `bench/generate.py`'s rows.
 - `one_at_a_time`: end to end, one request after another through the high-level API
   (`Llama.generate`, greedy, EOS not checked, as wavecore's `ignore_eos`), prefill
   included, timed like `bench/generate.py`'s rows.
@@ -142,43 +145,95 @@ def batched_context(model: Path, threads: int, sequences: int, n_ctx: int) -> It
         llama_model.close()
 
 
+class _Batched:
+    """Greedy decoding of several sequences through one llama.cpp context."""
+
+    def __init__(self, context: Any, prompts: list[list[int]]) -> None:
+        import llama_cpp
+
+        self.context, self.prompts = context, prompts
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(context.ctx), True)
+        self.vocab = context.model.n_vocab()
+        self.batch = llama_cpp.llama_batch_init(max(len(prompts), *map(len, prompts)), 0, 1)
+
+    def close(self) -> None:
+        import llama_cpp
+
+        llama_cpp.llama_batch_free(self.batch)
+
+    def _decode(self, entries: list[tuple[int, int, int]]) -> None:
+        """One `llama_decode` of `(token, position, sequence)` entries, logits for each."""
+        import llama_cpp
+
+        batch = self.batch
+        batch.n_tokens = len(entries)
+        for i, (token, position, sequence) in enumerate(entries):
+            batch.token[i], batch.pos[i] = token, position
+            batch.seq_id[i][0], batch.n_seq_id[i] = sequence, 1
+            batch.logits[i] = True
+        if llama_cpp.llama_decode(self.context.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed (is the context large enough?)")
+
+    def _argmax(self, row: int) -> int:
+        import llama_cpp
+        import numpy as np
+
+        logits = llama_cpp.llama_get_logits_ith(self.context.ctx, row)
+        return int(np.ctypeslib.as_array(logits, shape=(self.vocab,)).argmax())
+
+    def prefill(self, sequence: int) -> int:
+        """Evaluate one prompt into its sequence; its first token."""
+        prompt = self.prompts[sequence]
+        self._decode([(token, position, sequence) for position, token in enumerate(prompt)])
+        return self._argmax(len(prompt) - 1)
+
+    def step(self, tokens: list[int], positions: list[int]) -> list[int]:
+        """Every sequence's token at its position in one call; each one's next token."""
+        self._decode([(token, positions[s], s) for s, token in enumerate(tokens)])
+        return [self._argmax(s) for s in range(len(tokens))]
+
+
 def batched_decode_tok_s(context: Any, prompts: list[list[int]], steps: int) -> float:
     """Greedy decode tokens/s of `prompts` decoding together (see the module)."""
-    import llama_cpp
-    import numpy as np
-
-    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(context.ctx), True)
-    vocab = context.model.n_vocab()
-    batch = llama_cpp.llama_batch_init(max(len(prompts), max(map(len, prompts))), 0, 1)
+    decoder = _Batched(context, prompts)
     try:
-
-        def decode(entries: list[tuple[int, int, int]]) -> None:
-            """One `llama_decode` of `(token, position, sequence)` entries, logits for each."""
-            batch.n_tokens = len(entries)
-            for i, (token, position, sequence) in enumerate(entries):
-                batch.token[i], batch.pos[i] = token, position
-                batch.seq_id[i][0], batch.n_seq_id[i] = sequence, 1
-                batch.logits[i] = True
-            if llama_cpp.llama_decode(context.ctx, batch) != 0:
-                raise RuntimeError("llama_decode failed (is the context large enough?)")
-
-        def argmax(row: int) -> int:
-            logits = llama_cpp.llama_get_logits_ith(context.ctx, row)
-            return int(np.ctypeslib.as_array(logits, shape=(vocab,)).argmax())
-
-        following = []
-        for sequence, prompt in enumerate(prompts):  # prefill, one sequence per call
-            decode([(token, position, sequence) for position, token in enumerate(prompt)])
-            following.append(argmax(len(prompt) - 1))
+        following = [decoder.prefill(s) for s in range(len(prompts))]
         positions = [len(prompt) for prompt in prompts]
         times = []
         for step in range(steps + 1):
             start = time.perf_counter()
-            decode([(following[s], positions[s], s) for s in range(len(prompts))])
-            following = [argmax(s) for s in range(len(prompts))]
+            following = decoder.step(following, positions)
             if step:  # the first step is the warm-up
                 times.append(time.perf_counter() - start)
             positions = [p + 1 for p in positions]
         return len(prompts) / statistics.median(times)
     finally:
-        llama_cpp.llama_batch_free(batch)
+        decoder.close()
+
+
+def batched_generate(context: Any, prompts: list[list[int]], new_tokens: int) -> RunSummary:
+    """`new_tokens` greedy tokens for every prompt, the sequences decoding together after
+    their prompts are evaluated one by one (prefill included in the time)."""
+    decoder = _Batched(context, prompts)
+    try:
+        timers = [RequestTimer() for _ in prompts]
+        start = time.perf_counter()
+        following = []
+        for sequence, timer in enumerate(timers):
+            following.append(decoder.prefill(sequence))
+            timer.tokens_arrived(1)
+        positions = [len(prompt) for prompt in prompts]
+        for _ in range(new_tokens - 1):
+            following = decoder.step(following, positions)
+            for timer in timers:
+                timer.tokens_arrived(1)
+            positions = [p + 1 for p in positions]
+        seconds = time.perf_counter() - start
+    finally:
+        decoder.close()
+    return RunSummary.of(
+        timers,
+        prompt_tokens=sum(map(len, prompts)),
+        output_tokens=new_tokens * len(prompts),
+        seconds=seconds,
+    )
