@@ -238,10 +238,11 @@ class Projection:
             return residual.addmm_(x, self.plain)
         if kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.blocked, None, "add")
+        # The bfloat16 products are added as they come: the add widens them exactly.
         if kernel == "onednn-bf16":
-            return residual.add_(bf16_product(x, self.bf16))
+            return residual.add_(packed_product(x.to(torch.bfloat16), self.bf16))
         if kernel == "woq":
-            return residual.add_(self.woq(x))  # type: ignore[misc]
+            return residual.add_(self.woq.product(x))  # type: ignore[union-attr]
         return self.int8.add_to(residual, x)  # type: ignore[union-attr]
 
     def to(self, device: torch.device) -> Projection:

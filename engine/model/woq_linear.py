@@ -82,12 +82,15 @@ class WeightOnlyProjection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ W` in float32."""
+        return self.product(x).to(torch.float32)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ W` in bfloat16, as the kernels give it (adding it to a float32 tensor
+        widens it exactly, without a conversion of its own)."""
         x = x.to(torch.bfloat16)
         if self.bits == 4:
-            product = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.codes, GROUP, self.scales)
-        else:
-            product = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
-        return product.to(torch.float32)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.codes, GROUP, self.scales)
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
 
     @property
     def num_bytes(self) -> int:
