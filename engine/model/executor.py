@@ -271,8 +271,13 @@ class ModelExecutor:
     @property
     def streamed_weight_bytes(self) -> int:
         """Bytes of weights one batch-1 decode step reads (`ModelWeights.streamed_bytes`)."""
+        return self.model_weights.streamed_bytes
+
+    @property
+    def model_weights(self) -> ModelWeights:
+        """The weights as the forward pass holds them (for inspection and benchmarks)."""
         model, _ = self._ready()
-        return model.weights.streamed_bytes
+        return model.weights
 
     @property
     def block_size(self) -> int:

@@ -55,7 +55,7 @@ class ModelWeights:
             if layer.qkv_bias is not None:
                 tensors.append(layer.qkv_bias)
         return sum(t.numel() * t.element_size() for t in tensors) + sum(
-            p.num_bytes for p in self._projections()
+            p.num_bytes for p in self.projections()
         )
 
     @property
@@ -64,10 +64,11 @@ class ModelWeights:
         one row (a tied embedding that shares the head's memory is read as the head),
         each projection in the one form its plan runs one row on."""
         own_embed = 0 if self.shares_embedding else self.embed.numel() * self.embed.element_size()
-        unread = sum(p.num_bytes - p.bytes_read(rows=1) for p in self._projections())
+        unread = sum(p.num_bytes - p.bytes_read(rows=1) for p in self.projections())
         return self.num_bytes - own_embed - unread
 
-    def _projections(self) -> list[AnyProjection]:
+    def projections(self) -> list[AnyProjection]:
+        """Every projection: the LM head, then each layer's qkv, o, gate-up and down."""
         projections = [self.lm_head]
         for layer in self.layers:
             projections += [layer.qkv, layer.o, layer.gate_up, layer.down]
