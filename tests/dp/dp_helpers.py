@@ -14,9 +14,11 @@ from typing import Any
 import anyio
 from anyio.abc import Process
 
+from wavecore.channels import ChannelKey
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.dp.client import DPClient
+from wavecore.engine.dp.collective import DPGroup
 from wavecore.engine.dp.launcher import DPWiring
 from wavecore.engine.executors.batch import ModelBatch
 from wavecore.engine.executors.null_executor import null_continuation
@@ -244,3 +246,39 @@ class FakeRankProcess:
 
     def is_alive(self) -> bool:
         return self.exitcode is None
+
+
+def in_two_ranks(
+    calls: list[Callable[[DPGroup], Any]],
+    *,
+    port: int,
+    prefix: str,
+    timeout_s: float = 20,
+    key: ChannelKey | None = None,
+) -> list[Any]:
+    """Join a two-rank group over the store at `port` in a thread per rank and run
+    `calls[r](group)` there: each rank's result, or the exception it raised."""
+    key = key if key is not None else ChannelKey.generate()
+    results: list[Any] = [None, None]
+
+    def rank_thread(rank: int) -> None:
+        try:
+            group = DPGroup.join(
+                host="127.0.0.1",
+                port=port,
+                prefix=prefix,
+                rank=rank,
+                size=2,
+                timeout_s=timeout_s,
+                key=key,
+            )
+            results[rank] = calls[rank](group)
+        except Exception as error:
+            results[rank] = error
+
+    threads = [threading.Thread(target=rank_thread, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return results

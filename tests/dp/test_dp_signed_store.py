@@ -5,12 +5,12 @@ beside the members' own writes does not disturb the group forming."""
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch.distributed as dist
+from dp_helpers import in_two_ranks
 
 from wavecore.channels import ChannelKey
 from wavecore.engine.dp.collective import DPGroup
@@ -69,30 +69,15 @@ def test_a_group_forms_over_the_signed_store_with_a_stranger_writing_and_reading
     other.set("strange/0/0", b"x")
     other.set("strange/arrived/9", b"1")
     other.set("elsewhere", b"y")
-    key = ChannelKey.generate()
-    results: list[Any] = [None, None]
 
-    def rank_thread(rank: int) -> None:
-        try:
-            group = DPGroup.join(
-                host="127.0.0.1",
-                port=server.port,
-                prefix="strange",
-                rank=rank,
-                size=2,
-                timeout_s=20,
-                key=key,
-            )
+    def vote(rank: int) -> Any:
+        def run(group: DPGroup) -> bool:
             group.start_vote(has_unfinished=rank == 1, pending_pause=False, wave=0, step_counter=1)
-            results[rank] = group.await_vote().any_unfinished
-        except Exception as error:
-            results[rank] = error
+            return group.await_vote().any_unfinished
 
-    threads = [threading.Thread(target=rank_thread, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+        return run
+
+    results = in_two_ranks([vote(0), vote(1)], port=server.port, prefix="strange")
     assert results == [True, True]
     # Readable, but signed: what a stranger reads is a member's value with its MAC.
     assert len(other.get("strange/0/0")) > 16

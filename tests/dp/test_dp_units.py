@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
+from dp_helpers import in_two_ranks
 
-from wavecore.channels import ChannelKey
 from wavecore.engine.dp.collective import CollectiveMismatchError, DPGroup, GroupAbortedError
 from wavecore.engine.frontend.load_balancer import LoadBalancer
 from wavecore.statemachines.errors import LockstepDriftError
@@ -20,30 +20,7 @@ from wavecore.statemachines.rank_events import RequestArrived, StepDone, SyncDon
 def _in_two_ranks(calls: list[Any], timeout_s: float = 20) -> list[Any]:
     """Run `calls[r](group)` in a thread per rank of a fresh two-rank group."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    key = ChannelKey.generate()
-    results: list[Any] = [None, None]
-
-    def rank_thread(rank: int) -> None:
-        group = DPGroup.join(
-            host="127.0.0.1",
-            port=store.port,
-            prefix="unit",
-            rank=rank,
-            size=2,
-            timeout_s=timeout_s,
-            key=key,
-        )
-        try:
-            results[rank] = calls[rank](group)
-        except Exception as error:
-            results[rank] = error
-
-    threads = [threading.Thread(target=rank_thread, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    return results
+    return in_two_ranks(calls, port=store.port, prefix="unit", timeout_s=timeout_s)
 
 
 def test_a_vote_reduces_work_pauses_and_spans_in_the_background() -> None:
