@@ -6,20 +6,23 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import anyio
+import pytest
 from anyio.abc import Process
 
 from wavecore.channels import ChannelKey
+from wavecore.engine.api import open_dp_engine
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.core.engine_core import EngineCore
 from wavecore.engine.dp.client import DPClient
 from wavecore.engine.dp.collective import DPGroup
-from wavecore.engine.dp.launcher import DPWiring
+from wavecore.engine.dp.launcher import DPStartupError, DPWiring
 from wavecore.engine.executors.batch import ModelBatch
 from wavecore.engine.executors.null_executor import null_continuation
 from wavecore.engine.frontend.engine import FrontEnd
@@ -282,3 +285,30 @@ def in_two_ranks(
     for thread in threads:
         thread.join(30)
     return results
+
+
+async def headless_rank_is_refused(
+    config: EngineConfig, rank_argv: list[str], env: dict[str, str] | None = None
+) -> str:
+    """Start a one-local-rank front end expecting rank 1 headless, run `wavecore rank`
+    with `rank_argv` (the master's address added) in a subprocess as it listens, and
+    return the startup error, which must say rank 1 never said hello."""
+    joined: list[subprocess.Popen[bytes]] = []
+
+    def start(address: str) -> None:
+        argv = [*rank_argv, "--master", address.removeprefix("tcp://")]
+        code = f"import sys; from wavecore.engine.cli.main import main; sys.exit(main({argv!r}))"
+        joined.append(subprocess.Popen([sys.executable, "-c", code], env=env))
+
+    try:
+        with anyio.fail_after(HANG_GUARD), pytest.raises(DPStartupError) as failed:
+            async with open_dp_engine(
+                config, master="127.0.0.1:0", local_ranks=[0], on_listening=start
+            ):
+                pass
+    finally:
+        for process in joined:
+            process.kill()
+            process.wait()
+    assert "(rank 1 never said hello)" in str(failed.value)
+    return str(failed.value)

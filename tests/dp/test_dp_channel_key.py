@@ -5,18 +5,14 @@ another key cannot join, its hello refused unread."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
-import anyio
 import pytest
-from dp_helpers import HANG_GUARD
+from dp_helpers import headless_rank_is_refused
 
 from wavecore.channels import KEY_ENVIRONMENT, ChannelKey
 from wavecore.engine.api import open_dp_engine
 from wavecore.engine.cli.main import main
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.dp.launcher import DPStartupError
 
 pytestmark = pytest.mark.anyio
 NEEDS_KEY = "headless ranks need the engine's channel key"
@@ -61,29 +57,9 @@ async def test_a_rank_with_another_key_cannot_join(
     """The front end and its local rank share one key; the headless rank has another:
     its hello is refused unread (and counted), so the startup ends naming it."""
     monkeypatch.setenv(KEY_ENVIRONMENT, ChannelKey.generate().hex())
-    joined: list[subprocess.Popen[bytes]] = []
-
-    def start(address: str) -> None:
-        argv = ["rank", "--dp-rank", "1", "--dp-size", "2"]
-        argv += ["--master", address.removeprefix("tcp://"), "--executor", "null"]
-        code = f"import sys; from wavecore.engine.cli.main import main; sys.exit(main({argv!r}))"
-        other = {**os.environ, KEY_ENVIRONMENT: ChannelKey.generate().hex()}
-        joined.append(subprocess.Popen([sys.executable, "-c", code], env=other))
-
-    try:
-        with anyio.fail_after(HANG_GUARD), pytest.raises(DPStartupError) as failed:
-            async with open_dp_engine(
-                _config(startup_timeout=4.0),
-                master="127.0.0.1:0",
-                local_ranks=[0],
-                on_listening=start,
-            ):
-                pass
-    finally:
-        for process in joined:
-            process.kill()
-            process.wait()
-    assert "(rank 1 never said hello)" in str(failed.value)
+    argv = ["rank", "--dp-rank", "1", "--dp-size", "2", "--executor", "null"]
+    other = {**os.environ, KEY_ENVIRONMENT: ChannelKey.generate().hex()}
+    await headless_rank_is_refused(_config(startup_timeout=4.0), argv, env=other)
     assert "client handshake: dropped a malformed frame (a frame that failed authentication" in (
         caplog.text
     )

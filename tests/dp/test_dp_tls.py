@@ -10,14 +10,20 @@ import pickle
 import shutil
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import anyio
 import pynng
 import pytest
 from anyio.abc import Process
-from dp_helpers import HANG_GUARD, collect, expected_tokens, start_headless_rank, tokens_of
+from dp_helpers import (
+    HANG_GUARD,
+    collect,
+    expected_tokens,
+    headless_rank_is_refused,
+    start_headless_rank,
+    tokens_of,
+)
 
 from wavecore.channels import (
     KEY_ENVIRONMENT,
@@ -30,7 +36,6 @@ from wavecore.channels import (
 from wavecore.engine.api import open_dp_engine
 from wavecore.engine.cli.main import main
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.dp.launcher import DPStartupError
 from wavecore.engine.sampling_params import SamplingParams
 
 OPENSSL = shutil.which("openssl")
@@ -172,24 +177,7 @@ async def test_a_rank_whose_certificate_the_ca_did_not_sign_cannot_join(
     argv = ["rank", "--dp-rank", "1", "--dp-size", "2", "--executor", "null"]
     argv += ["--tls-cert", f"{certs}/stranger.pem", "--tls-key", f"{certs}/stranger.key"]
     argv += ["--tls-ca", f"{certs}/ca.pem"]
-    joined: list[subprocess.Popen[bytes]] = []
-
-    def start(address: str) -> None:
-        rank = [*argv, "--master", address.removeprefix("tcp://")]
-        code = f"import sys; from wavecore.engine.cli.main import main; sys.exit(main({rank!r}))"
-        joined.append(subprocess.Popen([sys.executable, "-c", code]))
-
-    try:
-        with anyio.fail_after(HANG_GUARD), pytest.raises(DPStartupError) as failed:
-            async with open_dp_engine(
-                config, master="127.0.0.1:0", local_ranks=[0], on_listening=start
-            ):
-                pass
-    finally:
-        for process in joined:
-            process.kill()
-            process.wait()
-    assert "(rank 1 never said hello)" in str(failed.value)
+    await headless_rank_is_refused(config, argv)
 
 
 def test_missing_or_bad_tls_files_are_refused_by_name(
