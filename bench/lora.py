@@ -47,6 +47,7 @@ from safetensors.torch import save_file
 from wavecore.engine.api import open_engine
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.executors.batch import ModelBatch, SequenceChunk
+from wavecore.engine.lora import compute
 from wavecore.engine.lora.adapters import (
     Adapter,
     AdapterLayer,
@@ -121,15 +122,23 @@ def _delta_cases(
 
 def _qkv_delta(rand: Any) -> FusedDelta:
     """A random qkv delta as `adapters.build_adapter` lays one out: q, k and v at rank
-    `RANK` side by side in `a`, each in its own block of `b`."""
+    `RANK` side by side in `a`, each target's own `b` block."""
     a = rand(HIDDEN, R)
-    b = torch.zeros(R, QKV_OUT, device=a.device, dtype=a.dtype)
-    spans = []
+    blocks = []
     for index, (out_start, out_stop) in enumerate(((0, 576), (576, 768), (768, QKV_OUT))):
         span = TargetSpan(index * RANK, (index + 1) * RANK, out_start, out_stop)
-        b[span.start : span.stop, out_start:out_stop] = rand(RANK, out_stop - out_start)
-        spans.append(span)
-    return FusedDelta(a, b, tuple(spans))
+        blocks.append((span, rand(RANK, out_stop - out_start)))
+    return FusedDelta(a, tuple(blocks))
+
+
+def _block_diagonal(delta: FusedDelta) -> torch.Tensor:
+    """`delta`'s `b` blocks as one `[R, out]` matrix, zeros between them (the layout
+    wavecore had before: one `b` product per fused product)."""
+    a = delta.a
+    b = torch.zeros(a.shape[1], QKV_OUT, device=a.device, dtype=a.dtype)
+    for span, block in delta.blocks:
+        b[span.start : span.stop, span.out_start : span.out_stop] = block
+    return b
 
 
 def _delta_case(
@@ -156,19 +165,27 @@ def _delta_case(
     order = torch.cat([(owner == i).nonzero().flatten() for i in range(count)]).to(device)
     bounds = torch.bincount(owner, minlength=count).cumsum(0).tolist()
     runs = list(zip(deltas, [0, *bounds[:-1]], bounds, strict=True))
+    dense_b = [_block_diagonal(d) for d in deltas]
     stacked_a = torch.stack([d.a for d in deltas])  # [K, in, R]
-    stacked_b = torch.stack([d.b for d in deltas])  # [K, R, out]
+    stacked_b = torch.stack(dense_b)  # [K, R, out]
     index = owner.to(device)
     out = torch.zeros(tokens, QKV_OUT, device=device, dtype=dtype)
 
     def wavecore() -> None:
         add_lora(out, x, rows, 0, "qkv")
 
+    def block_diagonal() -> None:
+        out.addmm_(x @ deltas[0].a, dense_b[0])
+
     def sorted_gather() -> None:
         taken = x.index_select(0, order)
-        deltas_out = torch.empty(tokens, QKV_OUT, device=device, dtype=dtype)
+        deltas_out = torch.zeros(tokens, QKV_OUT, device=device, dtype=dtype)
         for delta, start, end in runs:
-            torch.mm(taken[start:end] @ delta.a, delta.b, out=deltas_out[start:end])
+            h = taken[start:end] @ delta.a
+            for span, b in delta.blocks:
+                deltas_out[start:end, span.out_start : span.out_stop].addmm_(
+                    h[:, span.start : span.stop], b
+                )
         out.index_add_(0, order, deltas_out)
 
     def gathered() -> None:
@@ -183,14 +200,17 @@ def _delta_case(
         "adapters": count,
         "base_ms": _timed(lambda: x @ weight, repeats, device),
         "wavecore_ms": _timed(wavecore, repeats, device),
+        "block_diagonal_ms": _timed(block_diagonal, repeats, device) if count == 1 else None,
         "sorted_gather_ms": _timed(sorted_gather, repeats, device),
         "gather_bmm_ms": _timed(gathered, repeats, device),
-        "bf16_onednn_ms": _bf16_delta_ms(x, deltas[0], out, repeats) if count == 1 else None,
+        "bf16_onednn_ms": (
+            _bf16_delta_ms(x, deltas[0].a, dense_b[0], out, repeats) if count == 1 else None
+        ),
     }
 
 
 def _bf16_delta_ms(
-    x: torch.Tensor, delta: FusedDelta, out: torch.Tensor, repeats: int
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, repeats: int
 ) -> float | None:
     """One adapter's delta the way the base's "onednn-bf16" kernel takes a product:
     `a` and `b` rounded to bfloat16 and packed once, the rows rounded per product, the
@@ -198,7 +218,7 @@ def _bf16_delta_ms(
     not run (a GPU, or a CPU without native bfloat16)."""
     if not can_pack_bf16(x.device, x.dtype):
         return None
-    a, b = pack_bf16(delta.a.t()), pack_bf16(delta.b.t())
+    a, b = pack_bf16(a.t()), pack_bf16(b.t())
 
     def bf16() -> None:
         out.add_(packed_product(packed_product(x.to(torch.bfloat16), a), b))
@@ -263,31 +283,44 @@ def _decode_batch(loras: list[str | None], block_size: int) -> ModelBatch:
 
 def executor_step(adapters: list[LoRARequest], quick: bool) -> list[dict[str, Any]]:
     """Part 2: median ms of one decode step of `STEP_DECODES`, interleaved."""
+    one_thread_rows = compute.ONE_THREAD_ROWS
     executor = load_executor(None, enable_lora=True, max_loras=len(adapters))
     try:
         for adapter in adapters:
             executor.add_lora(adapter)
         names = [adapter.name for adapter in adapters]
-        batches = {
-            "base": _decode_batch([None] * STEP_DECODES, executor.block_size),
-            "1 adapter": _decode_batch([names[0]] * STEP_DECODES, executor.block_size),
-            "4 adapters": _decode_batch(
-                [names[row % len(names)] for row in range(STEP_DECODES)], executor.block_size
+        one = _decode_batch([names[0]] * STEP_DECODES, executor.block_size)
+        # Each step with the rows up to which a run's delta takes one thread
+        # (`compute.ONE_THREAD_ROWS`): 0 is the two threads of every other product.
+        steps = {
+            "base": (_decode_batch([None] * STEP_DECODES, executor.block_size), 0),
+            "1 adapter": (one, compute.ONE_THREAD_ROWS),
+            "1 adapter, 2 threads": (one, 0),
+            "4 adapters": (
+                _decode_batch(
+                    [names[row % len(names)] for row in range(STEP_DECODES)],
+                    executor.block_size,
+                ),
+                0,
             ),
         }
-        for batch in batches.values():
+        for batch, rows in steps.values():
+            compute.ONE_THREAD_ROWS = rows
             for _ in range(3):  # warm-up: kernels, the stacked adapters
                 executor.execute(batch)
-        times: dict[str, list[float]] = {name: [] for name in batches}
-        names = list(batches)
-        for repeat in range(6 if quick else 30):
-            for name in names[repeat % 3 :] + names[: repeat % 3]:  # as in `end_to_end`
-                batch = batches[name]
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        order = list(steps)
+        for repeat in range(8 if quick else 32):
+            shift = repeat % len(order)
+            for name in order[shift:] + order[:shift]:  # as in `end_to_end`
+                batch, rows = steps[name]
+                compute.ONE_THREAD_ROWS = rows
                 start = time.perf_counter()
                 executor.execute(batch)
                 times[name].append((time.perf_counter() - start) * 1000)
         kernels = executor.kernels.report()
     finally:
+        compute.ONE_THREAD_ROWS = one_thread_rows
         executor.close()
     base = statistics.median(times["base"])
     return [
@@ -376,12 +409,14 @@ def main() -> None:
         f"{machine['cpus']} CPUs)"
     )
     print(f"{'device':<6} {'tokens':>6} {'adapters':>8} {'base ms':>8} {'wavecore ms':>11} "
-          f"{'sorted-gather ms':>16} {'gather-bmm ms':>13} {'bf16 oneDNN ms':>14}")  # fmt: skip
+          f"{'block-diag b ms':>15} {'sorted-gather ms':>16} {'gather-bmm ms':>13} "
+          f"{'bf16 oneDNN ms':>14}")  # fmt: skip
     for row in kernels:
         bf16 = "-" if row["bf16_onednn_ms"] is None else f"{row['bf16_onednn_ms']:.3f}"
+        dense = "-" if row["block_diagonal_ms"] is None else f"{row['block_diagonal_ms']:.3f}"
         print(
             f"{row['device']:<6} {row['tokens']:>6} {row['adapters']:>8} {row['base_ms']:>8.3f} "
-            f"{row['wavecore_ms']:>11.3f} {row['sorted_gather_ms']:>16.3f} "
+            f"{row['wavecore_ms']:>11.3f} {dense:>15} {row['sorted_gather_ms']:>16.3f} "
             f"{row['gather_bmm_ms']:>13.3f} {bf16:>14}"
         )
     if not args.skip_engine:
@@ -393,10 +428,10 @@ def main() -> None:
             steps = executor_step(list(modules), args.quick)
             result["executor_step"] = steps
             print(f"\nOne executor step of {STEP_DECODES} decodes (interleaved, median)")
-            print(f"{'step':<11} {'ms':>8} {'ratio':>6} {'load':>5}")
+            print(f"{'step':<20} {'ms':>8} {'ratio':>6} {'load':>5}")
             for row in steps:
                 print(
-                    f"{row['step']:<11} {row['ms']:>8.1f} {row['ratio_to_base']:>6.2f} "
+                    f"{row['step']:<20} {row['ms']:>8.1f} {row['ratio_to_base']:>6.2f} "
                     f"{row['load_average']:>5.2f}"
                 )
             runs = anyio.run(end_to_end, modules, args.quick)
