@@ -5,7 +5,9 @@ Part 1, the delta kernel (on the CPU with one thread): one fused product's LoRA 
 tokens spread over K adapters interleaved token by token (as decodes of several
 adapters are), three ways: wavecore's (one adapter: a slice; several: every row
 against the adapters stacked, its own columns kept by a mask, then one product per
-target, `compute.MixedDecodes`), grouped by a gather in adapter order (one
+target, `compute.MixedDecodes`; each target's own `b` block, and for one adapter also
+the block-diagonal `b` wavecore used before: one product, zeros between the targets),
+grouped by a gather in adapter order (one
 `index_select`, two products per adapter, one `index_add_`), and a gather-based
 batched product (each token's own `a` and `b` gathered from the stacked adapters, then
 one `bmm` per side for all tokens, as punica's BGMV does on GPUs); beside the base
@@ -47,7 +49,6 @@ from safetensors.torch import save_file
 from wavecore.engine.api import open_engine
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.executors.batch import ModelBatch, SequenceChunk
-from wavecore.engine.lora import compute
 from wavecore.engine.lora.adapters import (
     Adapter,
     AdapterLayer,
@@ -283,44 +284,31 @@ def _decode_batch(loras: list[str | None], block_size: int) -> ModelBatch:
 
 def executor_step(adapters: list[LoRARequest], quick: bool) -> list[dict[str, Any]]:
     """Part 2: median ms of one decode step of `STEP_DECODES`, interleaved."""
-    one_thread_rows = compute.ONE_THREAD_ROWS
     executor = load_executor(None, enable_lora=True, max_loras=len(adapters))
     try:
         for adapter in adapters:
             executor.add_lora(adapter)
         names = [adapter.name for adapter in adapters]
-        one = _decode_batch([names[0]] * STEP_DECODES, executor.block_size)
-        # Each step with the rows up to which a run's delta takes one thread
-        # (`compute.ONE_THREAD_ROWS`): 0 is the two threads of every other product.
-        steps = {
-            "base": (_decode_batch([None] * STEP_DECODES, executor.block_size), 0),
-            "1 adapter": (one, compute.ONE_THREAD_ROWS),
-            "1 adapter, 2 threads": (one, 0),
-            "4 adapters": (
-                _decode_batch(
-                    [names[row % len(names)] for row in range(STEP_DECODES)],
-                    executor.block_size,
-                ),
-                0,
+        batches = {
+            "base": _decode_batch([None] * STEP_DECODES, executor.block_size),
+            "1 adapter": _decode_batch([names[0]] * STEP_DECODES, executor.block_size),
+            "4 adapters": _decode_batch(
+                [names[row % len(names)] for row in range(STEP_DECODES)], executor.block_size
             ),
         }
-        for batch, rows in steps.values():
-            compute.ONE_THREAD_ROWS = rows
+        for batch in batches.values():
             for _ in range(3):  # warm-up: kernels, the stacked adapters
                 executor.execute(batch)
-        times: dict[str, list[float]] = {name: [] for name in steps}
-        order = list(steps)
-        for repeat in range(8 if quick else 32):
-            shift = repeat % len(order)
-            for name in order[shift:] + order[:shift]:  # as in `end_to_end`
-                batch, rows = steps[name]
-                compute.ONE_THREAD_ROWS = rows
+        times: dict[str, list[float]] = {name: [] for name in batches}
+        names = list(batches)
+        for repeat in range(6 if quick else 30):
+            for name in names[repeat % 3 :] + names[: repeat % 3]:  # as in `end_to_end`
+                batch = batches[name]
                 start = time.perf_counter()
                 executor.execute(batch)
                 times[name].append((time.perf_counter() - start) * 1000)
         kernels = executor.kernels.report()
     finally:
-        compute.ONE_THREAD_ROWS = one_thread_rows
         executor.close()
     base = statistics.median(times["base"])
     return [
@@ -428,10 +416,10 @@ def main() -> None:
             steps = executor_step(list(modules), args.quick)
             result["executor_step"] = steps
             print(f"\nOne executor step of {STEP_DECODES} decodes (interleaved, median)")
-            print(f"{'step':<20} {'ms':>8} {'ratio':>6} {'load':>5}")
+            print(f"{'step':<11} {'ms':>8} {'ratio':>6} {'load':>5}")
             for row in steps:
                 print(
-                    f"{row['step']:<20} {row['ms']:>8.1f} {row['ratio_to_base']:>6.2f} "
+                    f"{row['step']:<11} {row['ms']:>8.1f} {row['ratio_to_base']:>6.2f} "
                     f"{row['load_average']:>5.2f}"
                 )
             runs = anyio.run(end_to_end, modules, args.quick)

@@ -7,9 +7,9 @@ for however many of the product's targets the adapter has, and per target its `b
 block, `scale * lora_B^T` `[rank, width]`, added into the target's own output columns.
 The blocks are kept apart, not as one block-diagonal `[R, out]` matrix: its zero
 blocks (q's rows never reach k's or v's columns) were a third of an adapter's bytes
-and multiply-adds on SmolLM2, and one step's deltas took longer with them
-(bench/lora.py, README). A product the adapter does not target has no `a` and costs
-nothing.
+and multiply-adds on SmolLM2, and a decode step took as long either way (more calls,
+fewer bytes: bench/lora.py, README), so the smaller form is kept. A product the
+adapter does not target has no `a` and costs nothing.
 
 `LoRAStore` keeps every adapter added in host memory and at most `max_loras` of them
 on the device ("resident": on a CPU both are the same tensors), swapping them in least

@@ -3,12 +3,8 @@
 A step's tokens are grouped by adapter (`LoRARows`): each contiguous run of one
 adapter's rows (a prefill chunk, or decodes all of one adapter) is a slice, its delta
 one product `x @ a` per targeted fused product and one `b` product per target, added
-in place into the target's columns of the base product's output. A run of decode size
-(`ONE_THREAD_ROWS` rows or fewer) takes these products on one thread: they are small
-(SmolLM2, 32 rows: 4-40 us each alone), and on this 2-vCPU machine under load a
-product on two threads waits for the second core at every call, which cost a
-one-adapter step more than its products' work (bench/lora.py, README). Decodes that mix adapters
-(scattered among the rows, which the batch plan orders by context length, for
+in place into the target's columns of the base product's output. Decodes that mix
+adapters (scattered among the rows, which the batch plan orders by context length, for
 attention) are taken against the step's adapters stacked (`MixedDecodes`): one product
 with every adapter's `a`, a mask keeping each row's own adapter's columns, then one
 product per target with the adapters' `b` rows of that target stacked (no zero blocks:
@@ -22,8 +18,6 @@ nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -60,30 +54,11 @@ class LoRARows:
     mixed: MixedDecodes | None = None
 
 
-# Runs of up to this many rows take their products on one thread (a decode step's).
-ONE_THREAD_ROWS = 32
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # well under a microsecond: OpenMP's and MKL's counts, same pool
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def add_lora(out: torch.Tensor, x: torch.Tensor, lora: LoRARows, layer: int, product: str) -> None:
     """`out[rows] += (x[rows] @ a) @ b` for each adapter's `product` delta at `layer`."""
     for adapter, start, end in lora.runs:
         delta: FusedDelta | None = getattr(adapter.layers[layer], product)
-        if delta is None:
-            continue
-        if end - start <= ONE_THREAD_ROWS:
-            with _one_thread():
-                _add_run(out[start:end], x[start:end], delta)
-        else:
+        if delta is not None:
             _add_run(out[start:end], x[start:end], delta)
     mixed = lora.mixed
     if mixed is None:
