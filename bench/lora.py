@@ -5,7 +5,9 @@ Part 1, the delta kernel (on the CPU with one thread): one fused product's LoRA 
 tokens spread over K adapters interleaved token by token (as decodes of several
 adapters are), three ways: wavecore's (one adapter: a slice; several: every row
 against the adapters stacked, its own columns kept by a mask, then one product per
-target, `compute.MixedDecodes`), grouped by a gather in adapter order (one
+target, `compute.MixedDecodes`; each target's own `b` block, and for one adapter also
+the block-diagonal `b` wavecore used before: one product, zeros between the targets),
+grouped by a gather in adapter order (one
 `index_select`, two products per adapter, one `index_add_`), and a gather-based
 batched product (each token's own `a` and `b` gathered from the stacked adapters, then
 one `bmm` per side for all tokens, as punica's BGMV does on GPUs); beside the base
@@ -121,15 +123,23 @@ def _delta_cases(
 
 def _qkv_delta(rand: Any) -> FusedDelta:
     """A random qkv delta as `adapters.build_adapter` lays one out: q, k and v at rank
-    `RANK` side by side in `a`, each in its own block of `b`."""
+    `RANK` side by side in `a`, each target's own `b` block."""
     a = rand(HIDDEN, R)
-    b = torch.zeros(R, QKV_OUT, device=a.device, dtype=a.dtype)
-    spans = []
+    blocks = []
     for index, (out_start, out_stop) in enumerate(((0, 576), (576, 768), (768, QKV_OUT))):
         span = TargetSpan(index * RANK, (index + 1) * RANK, out_start, out_stop)
-        b[span.start : span.stop, out_start:out_stop] = rand(RANK, out_stop - out_start)
-        spans.append(span)
-    return FusedDelta(a, b, tuple(spans))
+        blocks.append((span, rand(RANK, out_stop - out_start)))
+    return FusedDelta(a, tuple(blocks))
+
+
+def _block_diagonal(delta: FusedDelta) -> torch.Tensor:
+    """`delta`'s `b` blocks as one `[R, out]` matrix, zeros between them (the layout
+    wavecore had before: one `b` product per fused product)."""
+    a = delta.a
+    b = torch.zeros(a.shape[1], QKV_OUT, device=a.device, dtype=a.dtype)
+    for span, block in delta.blocks:
+        b[span.start : span.stop, span.out_start : span.out_stop] = block
+    return b
 
 
 def _delta_case(
@@ -156,19 +166,27 @@ def _delta_case(
     order = torch.cat([(owner == i).nonzero().flatten() for i in range(count)]).to(device)
     bounds = torch.bincount(owner, minlength=count).cumsum(0).tolist()
     runs = list(zip(deltas, [0, *bounds[:-1]], bounds, strict=True))
+    dense_b = [_block_diagonal(d) for d in deltas]
     stacked_a = torch.stack([d.a for d in deltas])  # [K, in, R]
-    stacked_b = torch.stack([d.b for d in deltas])  # [K, R, out]
+    stacked_b = torch.stack(dense_b)  # [K, R, out]
     index = owner.to(device)
     out = torch.zeros(tokens, QKV_OUT, device=device, dtype=dtype)
 
     def wavecore() -> None:
         add_lora(out, x, rows, 0, "qkv")
 
+    def block_diagonal() -> None:
+        out.addmm_(x @ deltas[0].a, dense_b[0])
+
     def sorted_gather() -> None:
         taken = x.index_select(0, order)
-        deltas_out = torch.empty(tokens, QKV_OUT, device=device, dtype=dtype)
+        deltas_out = torch.zeros(tokens, QKV_OUT, device=device, dtype=dtype)
         for delta, start, end in runs:
-            torch.mm(taken[start:end] @ delta.a, delta.b, out=deltas_out[start:end])
+            h = taken[start:end] @ delta.a
+            for span, b in delta.blocks:
+                deltas_out[start:end, span.out_start : span.out_stop].addmm_(
+                    h[:, span.start : span.stop], b
+                )
         out.index_add_(0, order, deltas_out)
 
     def gathered() -> None:
@@ -183,14 +201,17 @@ def _delta_case(
         "adapters": count,
         "base_ms": _timed(lambda: x @ weight, repeats, device),
         "wavecore_ms": _timed(wavecore, repeats, device),
+        "block_diagonal_ms": _timed(block_diagonal, repeats, device) if count == 1 else None,
         "sorted_gather_ms": _timed(sorted_gather, repeats, device),
         "gather_bmm_ms": _timed(gathered, repeats, device),
-        "bf16_onednn_ms": _bf16_delta_ms(x, deltas[0], out, repeats) if count == 1 else None,
+        "bf16_onednn_ms": (
+            _bf16_delta_ms(x, deltas[0].a, dense_b[0], out, repeats) if count == 1 else None
+        ),
     }
 
 
 def _bf16_delta_ms(
-    x: torch.Tensor, delta: FusedDelta, out: torch.Tensor, repeats: int
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, repeats: int
 ) -> float | None:
     """One adapter's delta the way the base's "onednn-bf16" kernel takes a product:
     `a` and `b` rounded to bfloat16 and packed once, the rows rounded per product, the
@@ -198,7 +219,7 @@ def _bf16_delta_ms(
     not run (a GPU, or a CPU without native bfloat16)."""
     if not can_pack_bf16(x.device, x.dtype):
         return None
-    a, b = pack_bf16(delta.a.t()), pack_bf16(delta.b.t())
+    a, b = pack_bf16(a.t()), pack_bf16(b.t())
 
     def bf16() -> None:
         out.add_(packed_product(packed_product(x.to(torch.bfloat16), a), b))
@@ -376,12 +397,14 @@ def main() -> None:
         f"{machine['cpus']} CPUs)"
     )
     print(f"{'device':<6} {'tokens':>6} {'adapters':>8} {'base ms':>8} {'wavecore ms':>11} "
-          f"{'sorted-gather ms':>16} {'gather-bmm ms':>13} {'bf16 oneDNN ms':>14}")  # fmt: skip
+          f"{'block-diag b ms':>15} {'sorted-gather ms':>16} {'gather-bmm ms':>13} "
+          f"{'bf16 oneDNN ms':>14}")  # fmt: skip
     for row in kernels:
         bf16 = "-" if row["bf16_onednn_ms"] is None else f"{row['bf16_onednn_ms']:.3f}"
+        dense = "-" if row["block_diagonal_ms"] is None else f"{row['block_diagonal_ms']:.3f}"
         print(
             f"{row['device']:<6} {row['tokens']:>6} {row['adapters']:>8} {row['base_ms']:>8.3f} "
-            f"{row['wavecore_ms']:>11.3f} {row['sorted_gather_ms']:>16.3f} "
+            f"{row['wavecore_ms']:>11.3f} {dense:>15} {row['sorted_gather_ms']:>16.3f} "
             f"{row['gather_bmm_ms']:>13.3f} {bf16:>14}"
         )
     if not args.skip_engine:

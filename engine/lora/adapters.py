@@ -2,11 +2,14 @@
 
 The model runs four fused products per layer (`qkv`, `o`, `gate_up`, `down`,
 `model/weights.py`), so an adapter is laid out the same way: per layer and fused
-product, `a` `[in, R]` (the targets' `lora_A` side by side) and `b` `[R, out]` (each
-target's `scale * lora_B^T` in its own rows and its own output columns, zeros
-elsewhere), and the delta of the rows `x` is `(x @ a) @ b`: two small products for
-however many of the product's targets the adapter has. A product the adapter does not
-target has no pair and costs nothing.
+product, `a` `[in, R]` (the targets' `lora_A` side by side), so `x @ a` is one product
+for however many of the product's targets the adapter has, and per target its `b`
+block, `scale * lora_B^T` `[rank, width]`, added into the target's own output columns.
+The blocks are kept apart, not as one block-diagonal `[R, out]` matrix: its zero
+blocks (q's rows never reach k's or v's columns) were a third of an adapter's bytes
+and multiply-adds on SmolLM2, and a decode step took as long either way (more calls,
+fewer bytes: bench/lora.py, README), so the smaller form is kept. A product the
+adapter does not target has no `a` and costs nothing.
 
 `LoRAStore` keeps every adapter added in host memory and at most `max_loras` of them
 on the device ("resident": on a CPU both are the same tensors), swapping them in least
@@ -34,8 +37,7 @@ from wavecore.engine.model.config import ModelConfig
 @dataclass(frozen=True, slots=True)
 class TargetSpan:
     """Where one target sits in a fused product's delta: its rank's columns
-    `[start, stop)` of `x @ a` (rows of `b`) and its output columns `[out_start,
-    out_stop)`; `b` is zero outside these blocks."""
+    `[start, stop)` of `x @ a` and its output columns `[out_start, out_stop)`."""
 
     start: int
     stop: int
@@ -45,14 +47,15 @@ class TargetSpan:
 
 @dataclass(frozen=True, slots=True)
 class FusedDelta:
-    """`(x @ a) @ b` is one fused product's delta for rows `x`."""
+    """One fused product's delta for rows `x`: `h = x @ a`, then for each target
+    `out[:, span.out_start:span.out_stop] += h[:, span.start:span.stop] @ b`."""
 
     a: torch.Tensor  # [in, R]
-    b: torch.Tensor  # [R, out], scale folded in; block diagonal by `targets`
-    targets: tuple[TargetSpan, ...]
+    blocks: tuple[tuple[TargetSpan, torch.Tensor], ...]  # b: [rank, width], scale folded in
 
     def to(self, device: torch.device, dtype: torch.dtype) -> FusedDelta:
-        return FusedDelta(self.a.to(device, dtype), self.b.to(device, dtype), self.targets)
+        blocks = tuple((span, b.to(device, dtype)) for span, b in self.blocks)
+        return FusedDelta(self.a.to(device, dtype), blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +88,7 @@ class Adapter:
             for layer in self.layers
             for delta in (layer.qkv, layer.o, layer.gate_up, layer.down)
             if delta is not None
-            for t in (delta.a, delta.b)
+            for t in (delta.a, *(b for _, b in delta.blocks))
         )
 
 
@@ -97,12 +100,12 @@ class StackedDelta:
     """Several adapters' `FusedDelta`s of one product as one, laid out target by
     target: `a` holds every adapter's columns of the first target, then of the next,
     and `blocks` pairs each target's columns of `x @ a` (`TargetSpan`) with its `b`
-    rows stacked over the adapters, `[sum of their ranks, target's outputs]`. The
-    target-major order leaves out the zero blocks of each adapter's `b` (q's rows
-    never reach k's or v's columns): in a mixed decode of SmolLM2 with four rank-16
-    adapters on every projection this took the `b` side from 4 x 163k to 4 x 83k
-    multiply-adds per token and layer. `columns` is the index of the adapter each of
-    the `R` columns of `x @ a` belongs to."""
+    blocks stacked over the adapters, `[sum of their ranks, target's outputs]`: one
+    product per target whatever the number of adapters, and no zero blocks (in a mixed
+    decode of SmolLM2 with four rank-16 adapters on every projection, a block-diagonal
+    `b` would take 4 x 163k multiply-adds per token and layer, these 4 x 83k).
+    `columns` is the index of the adapter each of the `R` columns of `x @ a` belongs
+    to."""
 
     a: torch.Tensor  # [in, sum of R]
     columns: torch.Tensor  # [sum of R] int64
@@ -114,19 +117,22 @@ def _stacked_delta(
 ) -> StackedDelta:
     """`parts` (adapter number, delta) of one product stacked target by target; equal
     column layouts share one `columns` tensor through `layouts`."""
-    by_target: dict[tuple[int, int], list[tuple[int, FusedDelta, TargetSpan]]] = {}
+    by_target: dict[tuple[int, int], list[tuple[int, torch.Tensor, TargetSpan, torch.Tensor]]]
+    by_target = {}
     for number, delta in parts:
-        for span in delta.targets:
-            by_target.setdefault((span.out_start, span.out_stop), []).append((number, delta, span))
+        for span, b in delta.blocks:
+            by_target.setdefault((span.out_start, span.out_stop), []).append(
+                (number, delta.a, span, b)
+            )
     a_parts, layout, blocks = [], [], []
     width = 0
     for (out_start, out_stop), pieces in sorted(by_target.items()):
         start = width
-        for number, delta, span in pieces:
-            a_parts.append(delta.a[:, span.start : span.stop])
+        for number, a, span, _ in pieces:
+            a_parts.append(a[:, span.start : span.stop])
             layout.append((number, span.stop - span.start))
             width += span.stop - span.start
-        b = torch.cat([delta.b[s.start : s.stop, out_start:out_stop] for _, delta, s in pieces])
+        b = torch.cat([b for _, _, _, b in pieces])
         blocks.append((TargetSpan(start, width, out_start, out_stop), b))
     key = tuple(layout)
     columns = layouts.get(key)
@@ -172,12 +178,6 @@ def _fused_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
 
 def build_adapter(request: LoRARequest, peft: PeftAdapter, config: ModelConfig) -> Adapter:
     """The fused float32 host form of `peft` (`FusedDelta`)."""
-    out_features = {
-        "qkv": config.q_size + 2 * config.kv_size,
-        "o": config.hidden_size,
-        "gate_up": 2 * config.intermediate_size,
-        "down": config.hidden_size,
-    }
     layers = []
     for index in range(config.num_layers):
         fused: dict[str, FusedDelta | None] = {}
@@ -189,15 +189,14 @@ def build_adapter(request: LoRARequest, peft: PeftAdapter, config: ModelConfig) 
                 fused[product] = None
                 continue
             a = torch.cat([mod.a for _, _, mod in present]).t().contiguous()
-            b = torch.zeros(a.shape[1], out_features[product])
-            spans = []
+            blocks = []
             row = 0
             for _, column, mod in present:
                 rank, width = mod.b.shape[1], mod.b.shape[0]
-                b[row : row + rank, column : column + width] = mod.scale * mod.b.t()
-                spans.append(TargetSpan(row, row + rank, column, column + width))
+                span = TargetSpan(row, row + rank, column, column + width)
+                blocks.append((span, (mod.scale * mod.b.t()).contiguous()))
                 row += rank
-            fused[product] = FusedDelta(a, b, tuple(spans))
+            fused[product] = FusedDelta(a, tuple(blocks))
         layers.append(AdapterLayer(**fused))
     return Adapter(request, peft.rank, tuple(layers))
 

@@ -2,8 +2,9 @@
 
 A step's tokens are grouped by adapter (`LoRARows`): each contiguous run of one
 adapter's rows (a prefill chunk, or decodes all of one adapter) is a slice, its delta
-`(x @ a) @ b`, two small products per targeted fused product. Decodes that mix adapters
-(scattered among the rows, which the batch plan orders by context length, for
+one product `x @ a` per targeted fused product and one `b` product per target, added
+in place into the target's columns of the base product's output. Decodes that mix
+adapters (scattered among the rows, which the batch plan orders by context length, for
 attention) are taken against the step's adapters stacked (`MixedDecodes`): one product
 with every adapter's `a`, a mask keeping each row's own adapter's columns, then one
 product per target with the adapters' `b` rows of that target stacked (no zero blocks:
@@ -58,7 +59,7 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora: LoRARows, layer: int, pro
     for adapter, start, end in lora.runs:
         delta: FusedDelta | None = getattr(adapter.layers[layer], product)
         if delta is not None:
-            out[start:end].addmm_(x[start:end] @ delta.a, delta.b)
+            _add_run(out[start:end], x[start:end], delta)
     mixed = lora.mixed
     if mixed is None:
         return
@@ -69,3 +70,9 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora: LoRARows, layer: int, pro
         h.mul_(mixed.mask(stacked.columns, h.dtype))
         for span, b in stacked.blocks:
             out[:rows, span.out_start : span.out_stop].addmm_(h[:, span.start : span.stop], b)
+
+
+def _add_run(out: torch.Tensor, x: torch.Tensor, delta: FusedDelta) -> None:
+    h = x @ delta.a
+    for span, b in delta.blocks:
+        out[:, span.out_start : span.out_stop].addmm_(h[:, span.start : span.stop], b)
