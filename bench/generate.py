@@ -343,7 +343,7 @@ def main() -> None:
         # The C=1 row's requests, so the two compare one to one.
         llamacpp = measure_alone("llama.cpp", config, requests_at(prompts, 1), new_tokens, 1)
     batched = None
-    if args.executor == "model" and not args.skip_peer:
+    if args.executor == "model":
         # The top row's requests, all in one llama.cpp cache, as the engine holds them.
         top = max(sweep)
         batched = measure_alone(
