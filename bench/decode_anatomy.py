@@ -11,7 +11,10 @@ median over its round's steps, the median round reported:
 - products: every projection's product of one row, layer by layer, and the LM head,
   through the kernels the plan runs one row on, and nothing else between them: what a
   step with these kernels cannot go below;
-- llama.cpp's batch-1 step on the same GGUF (where `make bench-llamacpp` installed it).
+- llama.cpp's batch-1 step on the same GGUF (where `make bench-llamacpp` installed it);
+- with `--compile-decode`, the step of an executor loaded with `compile_decode=True`
+  (the same path with its one-decode steps through a torch.compile'd graph,
+  `engine/model/compiled_decode.py`; its compile at load is not timed).
 Derived: the glue (forward - products: norms, rotary, KV writes, attention, the
 activation, and every op's dispatch) and the executor's share (step - forward); the
 roof is the bytes one step reads (`streamed_weight_bytes`) over this machine's
@@ -96,6 +99,9 @@ def main() -> None:
     )
     parser.add_argument("--context", type=int, default=128, help="prompt tokens")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--compile-decode", action="store_true", help="also a compile_decode=True executor"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     steps, rounds = (4, 1) if args.quick else (32, args.rounds)
@@ -108,10 +114,15 @@ def main() -> None:
     llama = llamacpp_peer.open_peer(
         executor.source.path, torch.get_num_threads(), context + steps + 8
     )
+    compiled = (
+        load_executor(args.model, seed=0, compile_decode=True) if args.compile_decode else None
+    )
     forward = forward_call(executor, prompt)
     products = products_call(executor)
 
     seconds: dict[str, list[float]] = {"step": [], "forward": [], "products": []}
+    if compiled is not None:
+        seconds["compiled step"] = []
     if llama is not None:
         seconds["llama.cpp step"] = []
     for _ in range(rounds):
@@ -120,6 +131,9 @@ def main() -> None:
         forward = forward_call(executor, prompt)
         seconds["forward"].append(median_seconds(forward, steps))
         seconds["products"].append(median_seconds(products, steps))
+        if compiled is not None:
+            seconds["compiled step"].append(1 / wavecore_decode(compiled, [prompt], steps))
+            compiled.reset_kv_cache()
         if llama is not None:
             seconds["llama.cpp step"].append(1 / llamacpp_peer.decode_tok_s(llama, prompt, steps))
     if llama is not None:
@@ -137,10 +151,11 @@ def main() -> None:
         f"{roof * 1e3:.2f} ms ({1 / roof:.0f} tok/s)"
     )
     print(f"{'part of a batch-1 step':<28}{'ms':>8}{'tok/s':>9}{'of step':>9}{'roof/this':>11}")
-    whole = ("step", "forward", "products", "llama.cpp step")
+    steps_named = ("step", "compiled step", "llama.cpp step")
+    whole = ("forward", "products", *steps_named)
     for name, value in median.items():
-        rate = f"{1 / value:>9.1f}" if name in ("step", "llama.cpp step") else f"{'':>9}"
-        share = f"{value / median['step']:>9.0%}" if name != "llama.cpp step" else f"{'':>9}"
+        rate = f"{1 / value:>9.1f}" if name in steps_named else f"{'':>9}"
+        share = f"{value / median['step']:>9.0%}" if name not in steps_named[1:] else f"{'':>9}"
         reached = f"{roof / value:>11.0%}" if name in whole else f"{'':>11}"
         print(f"{name:<28}{value * 1e3:>8.2f}{rate}{share}{reached}")
     if llama is not None:
@@ -148,6 +163,11 @@ def main() -> None:
             f"wavecore's step is {median['llama.cpp step'] / median['step']:.2f}x llama.cpp's "
             f"speed; its products alone take {median['products'] / median['llama.cpp step']:.2f}x "
             f"llama.cpp's whole step"
+        )
+    if llama is not None and compiled is not None:
+        print(
+            f"the compiled step is {median['llama.cpp step'] / median['compiled step']:.2f}x "
+            f"llama.cpp's speed, {median['step'] / median['compiled step']:.2f}x the eager step's"
         )
     result = {
         "machine": describe(),

@@ -94,6 +94,7 @@ class EngineCore:
             device=config.device,
             weights=config.weights,
             dtype=config.dtype,
+            compile_decode=config.compile_decode,
             kv_cache_memory=config.kv_cache_memory,
             block_size=config.block_size,
             max_model_len=config.max_model_len,

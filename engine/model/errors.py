@@ -11,3 +11,8 @@ class ModelLoadError(EngineError):
 
 class InvalidBatchError(EngineError, ValueError):
     """A batch broke the executor's contract; it was refused before any KV write."""
+
+
+class CompileDecodeError(ModelLoadError):
+    """`compile_decode=True`, but torch.compile could not compile the decode step (no C++
+    compiler, or inductor failed): the message says which."""

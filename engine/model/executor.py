@@ -52,8 +52,9 @@ from wavecore.engine.lora.adapters import LoRAStore
 from wavecore.engine.lora.compute import LoRARows, MixedDecodes
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.model.batch_plan import CacheGeometry, ForwardPlan, plan_forward
+from wavecore.engine.model.compiled_decode import CompiledDecode
 from wavecore.engine.model.config import ModelConfig
-from wavecore.engine.model.errors import InvalidBatchError
+from wavecore.engine.model.errors import CompileDecodeError, InvalidBatchError
 from wavecore.engine.model.kernel_choice import KernelChoice, choose_kernels
 from wavecore.engine.model.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
 from wavecore.engine.model.llama import LlamaModel
@@ -153,6 +154,7 @@ class ModelExecutor:
         enable_lora: bool = False,
         max_loras: int = 4,
         max_lora_rank: int = 64,
+        compile_decode: bool = False,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -224,6 +226,42 @@ class ModelExecutor:
         )
         self._draft: Drafter | None = None
         self._closed = False
+        self._compiled = CompiledDecode() if compile_decode else None
+        if self._compiled is not None:
+            self._compile_decode()
+
+    def _compile_decode(self) -> None:
+        """Compile the one-decode graph now, on a decode at the scratch block, so that no
+        request waits for it; a machine that cannot compile fails the load, saying why."""
+        model, cache = self._ready()
+        geometry = CacheGeometry(
+            block_size=self._block_size,
+            num_blocks=self._num_blocks + 1,  # admits the scratch block, as execute_dummy
+            max_model_len=self._block_size,
+            vocab_size=self.config.vocab_size,
+        )
+        chunk = SequenceChunk(
+            request_id="wavecore-compile",
+            token_ids=(0,),
+            start_pos=1,
+            block_table=(cache.scratch_block,),
+            sample=True,
+            sampling=SamplingParams(),
+            all_token_ids=(0, 0),
+            prompt_len=1,
+        )
+        try:
+            # As `compute_logits` calls it (inference tensors), or the guards differ.
+            with torch.inference_mode():
+                plan = plan_forward((chunk,), geometry, self._device)
+                self._compiled(model, plan, cache)  # type: ignore[misc]
+        except Exception as error:
+            raise CompileDecodeError(
+                f"compile_decode: torch.compile could not compile the decode step "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                f"its CPU backend needs a working C++ compiler (g++ or clang++); load without "
+                f"compile_decode"
+            ) from error
 
     @property
     def draft(self) -> Drafter | None:
@@ -331,6 +369,8 @@ class ModelExecutor:
             plan = plan_forward(batch.chunks, geometry, self._device)
             if plan.num_tokens == 0:
                 return torch.empty(0, self.config.vocab_size)
+            if self._compiled is not None and CompiledDecode.handles(plan):
+                return self._compiled(model, plan, cache)
             if not plan.lora_runs and not plan.lora_mixed:
                 return model.forward(plan, cache)
             return model.forward(plan, cache, self._lora_rows(plan))
@@ -691,13 +731,15 @@ def load_executor(
     enable_lora: bool = False,
     max_loras: int = 4,
     max_lora_rank: int = 64,
+    compile_decode: bool = False,
 ) -> ModelExecutor:
     """Resolve `model` (None: the default SmolLM2 GGUF) and build its executor;
     `weights="int8"` quantizes its projections at load (CPU only); `dtype` is the
     compute dtype ("auto": float32 on the CPU, bfloat16 or float16 on a GPU). Both
     "auto" (the defaults) on the CPU: each shape class runs the fastest of float32,
     bfloat16 (CPUs with AMX or AVX-512 BF16) and int8 within the accuracy budget,
-    measured on first load and cached (`kernel_choice.py`)."""
+    measured on first load and cached (`kernel_choice.py`). `compile_decode` runs
+    batch-1 decodes through a compiled graph (`compiled_decode.py`), compiled here."""
     return ModelExecutor(
         resolve_model_source(model),
         device=device,
@@ -711,4 +753,5 @@ def load_executor(
         enable_lora=enable_lora,
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
+        compile_decode=compile_decode,
     )

@@ -1,0 +1,127 @@
+"""`compile_decode=True`: one-decode steps through a torch.compile'd graph
+(`engine/model/compiled_decode.py`), on a tiny model: the same greedy tokens as eager,
+one graph for every context length and across a sleep that drops the weights and the
+cache, other steps eager, and a machine that cannot compile refused at load."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from model_test_helpers import ArgmaxSampler, GreedyRunner, greedy_alone
+
+from wavecore.engine.config import EngineConfig
+from wavecore.engine.model import ModelExecutor, load_executor
+from wavecore.engine.model import compiled_decode as compiled_module
+from wavecore.engine.model.errors import CompileDecodeError
+
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+    reason="torch.compile's CPU backend needs a C++ compiler",
+)
+PROMPT = [3, 17, 5, 9, 11, 2, 8]
+
+
+def load(path: Path, compile_decode: bool) -> ModelExecutor:
+    return load_executor(
+        str(path),
+        device="cpu",
+        weights="float32",
+        dtype="float32",
+        kv_cache_memory=64 * 2**10,
+        block_size=4,  # contexts cross many blocks, and start inside the first one
+        sampler=ArgmaxSampler(),
+        compile_decode=compile_decode,
+    )
+
+
+def graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_gguf: Path) -> Iterator[ModelExecutor]:
+    executor = load(tiny_gguf, compile_decode=True)  # compiles here
+    yield executor
+    executor.close()
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_gguf: Path) -> Iterator[ModelExecutor]:
+    executor = load(tiny_gguf, compile_decode=False)
+    yield executor
+    executor.close()
+
+
+def test_decodes_give_eager_tokens_on_one_graph_for_every_context(
+    compiled: ModelExecutor, eager: ModelExecutor
+) -> None:
+    before = graphs()
+    calls: list[int] = []
+    real = compiled_module.CompiledDecode.__call__
+
+    def counting(self, model, plan, cache):  # type: ignore[no-untyped-def]
+        calls.append(plan.attention.decodes[0].context_len)
+        return real(self, model, plan, cache)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled_module.CompiledDecode, "__call__", counting)
+        tokens = greedy_alone(compiled, [1, 4], 24)  # context 2: a one-block table
+    assert tokens == greedy_alone(eager, [1, 4], 24)
+    assert calls == list(range(3, 3 + 23))  # every decode compiled; the prefill eager
+    assert graphs() == before  # the load's compile served every context
+
+
+def test_batches_of_several_sequences_run_eager_and_agree(
+    compiled: ModelExecutor, eager: ModelExecutor
+) -> None:
+    outputs = []
+    for executor in (compiled, eager):
+        runner = GreedyRunner(executor)
+        requests = [runner.add(PROMPT, 8), runner.add(PROMPT[:3], 8)]
+        runner.run(requests, chunk_size=3)
+        outputs.append([r.output for r in requests])
+    assert outputs[0] == outputs[1]
+
+
+def test_weights_and_cache_renewed_by_a_deep_sleep_reuse_the_graph(
+    compiled: ModelExecutor, eager: ModelExecutor
+) -> None:
+    compiled.sleep(2)
+    compiled.wake_up(frozenset({"weights", "kv_cache"}))
+    before = graphs()
+    assert greedy_alone(compiled, PROMPT, 10) == greedy_alone(eager, PROMPT, 10)
+    assert graphs() == before
+
+
+def test_a_machine_that_cannot_compile_is_refused_at_load(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fails(self, model, plan, cache):  # type: ignore[no-untyped-def]
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    monkeypatch.setattr(compiled_module.CompiledDecode, "__call__", fails)
+    with pytest.raises(CompileDecodeError, match=r"No working C.*needs a working C\+\+ compiler"):
+        load(tiny_gguf, compile_decode=True)
+
+
+def test_the_setting_is_a_bool() -> None:
+    with pytest.raises(ValueError, match="compile_decode must be a bool, got 'yes'"):
+        EngineConfig(compile_decode="yes")  # type: ignore[arg-type]
+
+
+def test_steps_from_another_thread_take_the_compiled_graph(
+    compiled: ModelExecutor, eager: ModelExecutor
+) -> None:
+    """The engine steps its executor from a worker thread, not the one that compiled."""
+    before = graphs()
+    results: list[object] = []
+    worker = threading.Thread(target=lambda: results.append(greedy_alone(compiled, PROMPT, 12)))
+    worker.start()
+    worker.join(120)
+    assert results == [greedy_alone(eager, PROMPT, 12)]
+    assert graphs() == before
