@@ -119,7 +119,10 @@ class CoreEffects:
         kernels = getattr(self._core.executor, "kernels", None)
         if kernels is None:
             return stats
-        return dataclasses.replace(stats, kernels=kernels.report())
+        report = kernels.report()
+        if getattr(self._core.executor, "compiles_decode", False):
+            report["decode"] += " (compiled)"  # `compile_decode`: say which path ran
+        return dataclasses.replace(stats, kernels=report)
 
     def fail_call(self, call_id: int, error: str) -> None:
         """Have this call's reply, whenever the loop sends it, carry `error` (a switch

@@ -307,6 +307,11 @@ class ModelExecutor:
         return self._kernel_choice
 
     @property
+    def compiles_decode(self) -> bool:
+        """Whether one-decode steps run through the compiled graph (`compile_decode`)."""
+        return self._compiled is not None
+
+    @property
     def streamed_weight_bytes(self) -> int:
         """Bytes of weights one batch-1 decode step reads (`ModelWeights.streamed_bytes`)."""
         return self.model_weights.streamed_bytes

@@ -98,6 +98,10 @@ def test_weights_and_cache_renewed_by_a_deep_sleep_reuse_the_graph(
     assert graphs() == before
 
 
+def test_the_executor_says_it_compiles(compiled: ModelExecutor, eager: ModelExecutor) -> None:
+    assert compiled.compiles_decode and not eager.compiles_decode
+
+
 def test_a_machine_that_cannot_compile_is_refused_at_load(
     tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
