@@ -36,10 +36,18 @@ tokens/s (target: Ray >= 0.9x the local launcher), and the time from rank 1's de
 (`ray.kill` of its actor, SIGKILL of its process) to the engine serving at dp 1: the
 shrink done, and a request on the survivor finished (results/dp_ray.json). The local
 launcher runs over ipc (its default) and over tcp (Ray's transport), so that the
-launcher's cost and the transport's show apart.
+launcher's cost and the transport's show apart. Each measured run also records where
+the machine's CPU time went meanwhile (`bench/cpu_seconds.py`): the front end, the
+ranks, the coordinator, this process's other descendants (Ray's raylet, GCS, agents and
+idle workers), the rest of the machine (other users' load) and idle, with the load
+average: on a small shared machine the throughput ratio means little without them.
+The summary adds the medians of the undisturbed runs (the rest of the machine used
+under 0.1 CPU s), and `--quiet-wait S` waits up to S seconds before each engine for
+the machine to fall quiet (under 10% busy), so that more runs are.
 
 Usage: python bench/dp.py [--quick] [--executor null|model] [--requests N] [--max-tokens N]
-       [--iteration-details [--repeats N]] [--dp-backend ray [--repeats N]] [--output PATH]
+       [--iteration-details [--repeats N]]
+       [--dp-backend ray [--repeats N] [--quiet-wait S]] [--output PATH]
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from cpu_seconds import CPUSeconds, wait_until_quiet  # bench/cpu_seconds.py, beside this script
 from machine import describe  # bench/machine.py, beside this script
 
 from wavecore.engine.api import Engine, open_dp_engine
@@ -310,13 +319,29 @@ async def _measure_backends(args: argparse.Namespace) -> dict[str, list[dict[str
                 dp_backend=backend,  # type: ignore[arg-type]
                 on_rank_failure="shrink",
             )
+            quiet = True
+            if args.quiet_wait > 0:
+                quiet = await anyio.to_thread.run_sync(
+                    lambda: wait_until_quiet(busy_below=0.1, timeout_s=args.quiet_wait)
+                )
             start = time.perf_counter()
             async with open_dp_engine(config) as engine:
-                row = {"startup_s": time.perf_counter() - start}
+                row = {"startup_s": time.perf_counter() - start, "found_quiet": quiet}
                 await _throughput(engine, max(2, args.requests // 8), 4)  # warm-up
-                row.update(await _throughput(engine, args.requests, args.max_tokens))
                 assert isinstance(engine, FrontEnd) and isinstance(engine.core_client, DPClient)
                 client = engine.core_client
+                processes = client.wiring.processes
+                cpu = CPUSeconds(
+                    {
+                        "front end": [os.getpid()],
+                        "ranks": [p.pid for n, p in processes.items() if n.startswith("rank")],
+                        "coordinator": [processes["coordinator"].pid],
+                    }
+                )
+                cpu.start()
+                row.update(await _throughput(engine, args.requests, args.max_tokens))
+                row.update({f"cpu_s {group}": s for group, s in cpu.stop().items()})
+                row["load_1min"] = os.getloadavg()[0]
                 shrunk = client.shrunk
                 rank = client.wiring.processes["rank 1"]
                 killed = time.perf_counter()
@@ -349,17 +374,31 @@ def _backends_main(args: argparse.Namespace) -> None:
         runs = anyio.run(_measure_backends, args)
     finally:
         ray.shutdown()
-    keys = ("startup_s", "tokens_per_s", "death_to_shrunk_s", "death_to_served_s")
+    keys = ("startup_s", "tokens_per_s", "death_to_shrunk_s", "death_to_served_s", "load_1min")
+    cpu_keys = [key for key in runs["ray"][0] if key.startswith("cpu_s ")]
     medians = {
-        backend: {key: statistics.median(run[key] for run in rows) for key in keys}
+        backend: {key: statistics.median(run[key] for run in rows) for key in (*keys, *cpu_keys)}
         for backend, rows in runs.items()
     }
     ratios = {
         name: medians["ray"]["tokens_per_s"] / medians[name]["tokens_per_s"]
         for name in ("mp ipc", "mp tcp")
     }
+    # The runs that no other user's work disturbed (under a tenth of a CPU second).
+    quiet_runs = {
+        backend: [run["tokens_per_s"] for run in rows if run["cpu_s rest of the machine"] < 0.1]
+        for backend, rows in runs.items()
+    }
+    quiet_medians = {
+        backend: statistics.median(figures) if figures else None
+        for backend, figures in quiet_runs.items()
+    }
     header = f"{'backend':<8} {'start s':>8} {'tokens/s':>10} {'death->shrunk s':>16} {'death->served s':>16}"
-    print(f"lockstep dp 2, null executor, medians of {args.repeats} (CPU: {describe()['cpu']})")
+    load = statistics.median(run["load_1min"] for rows in runs.values() for run in rows)
+    print(
+        f"lockstep dp 2, null executor, medians of {args.repeats} (CPU: {describe()['cpu']}, "
+        f"load average {load:.2f} at the measured runs, median)"
+    )
     print(header)
     print("-" * len(header))
     for backend, figures in medians.items():
@@ -371,6 +410,25 @@ def _backends_main(args: argparse.Namespace) -> None:
         f"ray / mp tokens/s: {ratios['mp ipc']:.2f}x against ipc, {ratios['mp tcp']:.2f}x "
         f"against tcp (target >= {TARGET_RAY_VS_LOCAL}x)"
     )
+    print(
+        "undisturbed runs only (rest of the machine < 0.1 CPU s): "
+        + ", ".join(
+            f"{backend} {len(quiet_runs[backend])} runs, "
+            + (f"{figure:.0f} tokens/s" if figure is not None else "none")
+            for backend, figure in quiet_medians.items()
+        )
+    )
+    print(f"CPU seconds during the measured run (medians; all {describe()['cpus']} CPUs):")
+    names = [key.removeprefix("cpu_s ") for key in cpu_keys]
+    print(f"{'backend':<8} " + " ".join(f"{name:>{max(8, len(name))}}" for name in names))
+    for backend, figures in medians.items():
+        print(
+            f"{backend:<8} "
+            + " ".join(
+                f"{figures[key]:>{max(8, len(name))}.2f}"
+                for key, name in zip(cpu_keys, names, strict=True)
+            )
+        )
     output = args.output or RESULTS.with_name("dp_ray.json")
     result = {
         "benchmark": "dp_ray",
@@ -381,6 +439,8 @@ def _backends_main(args: argparse.Namespace) -> None:
         "repeats": args.repeats,
         "target_ray_vs_mp": TARGET_RAY_VS_LOCAL,
         "ray_vs_mp_tokens_per_s": ratios,
+        "quiet_wait_s": args.quiet_wait,
+        "undisturbed_tokens_per_s": quiet_medians,
         "ray_version": ray.__version__,
         "machine": describe(),
         "medians": medians,
@@ -470,6 +530,14 @@ def main() -> None:
         choices=["mp", "ray"],
         default="mp",
         help="ray: the Ray launcher against the local one instead (results/dp_ray.json)",
+    )
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --dp-backend ray: before each engine, wait up to S seconds for the "
+        "machine's CPUs to be under 10%% busy (a shared machine's other users)",
     )
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
