@@ -234,27 +234,10 @@ class ModelExecutor:
         """Compile the one-decode graph now, on a decode at the scratch block, so that no
         request waits for it; a machine that cannot compile fails the load, saying why."""
         model, cache = self._ready()
-        geometry = CacheGeometry(
-            block_size=self._block_size,
-            num_blocks=self._num_blocks + 1,  # admits the scratch block, as execute_dummy
-            max_model_len=self._block_size,
-            vocab_size=self.config.vocab_size,
-        )
-        chunk = SequenceChunk(
-            request_id="wavecore-compile",
-            token_ids=(0,),
-            start_pos=1,
-            block_table=(cache.scratch_block,),
-            sample=True,
-            sampling=SamplingParams(),
-            all_token_ids=(0, 0),
-            prompt_len=1,
-        )
         try:
             # As `compute_logits` calls it (inference tensors), or the guards differ.
             with torch.inference_mode():
-                plan = plan_forward((chunk,), geometry, self._device)
-                self._compiled(model, plan, cache)  # type: ignore[misc]
+                self._compiled(model, self._scratch_plan(decode=True), cache)  # type: ignore[misc]
         except Exception as error:
             raise CompileDecodeError(
                 f"compile_decode: torch.compile could not compile the decode step "
@@ -468,25 +451,32 @@ class ModelExecutor:
 
     def execute_dummy(self) -> None:
         model, cache = self._ready()
-        # Geometry that admits the scratch block, which only this pass may name.
+        with torch.inference_mode():
+            model.forward(self._scratch_plan(decode=False), cache)
+
+    def _scratch_plan(self, *, decode: bool) -> ForwardPlan:
+        """One token in the scratch block, which only the executor's own passes may name
+        (the dummy pass; with `decode`, the sampled decode at position 1 of the compile
+        at load)."""
+        _, cache = self._ready()
         geometry = CacheGeometry(
             block_size=self._block_size,
-            num_blocks=self._num_blocks + 1,
+            num_blocks=self._num_blocks + 1,  # admits the scratch block
             max_model_len=self._block_size,
             vocab_size=self.config.vocab_size,
         )
+        start = 1 if decode else 0
         chunk = SequenceChunk(
-            request_id="wavecore-dummy",
+            request_id="wavecore-scratch",
             token_ids=(0,),
-            start_pos=0,
+            start_pos=start,
             block_table=(cache.scratch_block,),
-            sample=False,
+            sample=decode,
             sampling=SamplingParams(),
-            all_token_ids=(0,),
+            all_token_ids=(0,) * (start + 1),
             prompt_len=1,
         )
-        with torch.inference_mode():
-            model.forward(plan_forward((chunk,), geometry, self._device), cache)
+        return plan_forward((chunk,), geometry, self._device)
 
     # -- memory -----------------------------------------------------------------------
 
