@@ -24,13 +24,15 @@ Theory of operation:
    and weights or a cache of the same shapes (after a weight update or a wake-up) are
    read in place of the old ones without a new compile.
 4. The first compile takes tens of seconds on 2 cores (inductor's cache makes later
-   processes faster); `warm_up` runs it at load, so no request waits for it. It needs
-   a C++ compiler: without one, loading fails and says so.
+   processes faster); the executor runs it at load (`ModelExecutor._compile_decode`),
+   so no request waits for it. It needs a C++ compiler: without one, loading fails
+   and says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -84,7 +86,9 @@ def _mark_static(value: Any, seen: set[int]) -> None:
 class CompiledDecode:
     def __init__(self) -> None:
         self._compiled = torch.compile(_one_decode, dynamic=True)
-        self._marked: tuple[int, int] | None = None  # ids of the model and cache marked
+        # The model and cache last marked static (weakly: a new object may take a freed
+        # one's id, and an unmarked one would compile a second, dynamic-weight graph).
+        self._marked: tuple[weakref.ref[LlamaModel], weakref.ref[PagedKVCache]] | None = None
 
     @staticmethod
     def handles(plan: ForwardPlan) -> bool:
@@ -102,12 +106,13 @@ class CompiledDecode:
 
     def __call__(self, model: LlamaModel, plan: ForwardPlan, cache: PagedKVCache) -> torch.Tensor:
         """`model.forward(plan, cache)` through the compiled graph; `handles(plan)` must hold."""
-        if self._marked != (id(model), id(cache)):
+        marked = self._marked
+        if marked is None or marked[0]() is not model or marked[1]() is not cache:
             seen: set[int] = set()
             _mark_static(model.weights, seen)
             _mark_static([model.rotary.cos, model.rotary.signed_sin], seen)
             _mark_static([cache.keys, cache.values], seen)
-            self._marked = (id(model), id(cache))
+            self._marked = (weakref.ref(model), weakref.ref(cache))
         decode = plan.attention.decodes[0]
         table = decode.block_tables
         if table.shape[1] < _MIN_TABLE:
