@@ -91,7 +91,7 @@ class EngineConfig:
 
     `compile_decode=True` runs every step that is one sequence's decode (batch 1)
     through a graph compiled by torch.compile (`engine/model/compiled_decode.py`):
-    about 1.25x faster batch-1 decode on a CPU, at the price of a compile at load (tens
+    about 1.2x faster batch-1 decode on a CPU, at the price of a compile at load (tens
     of seconds on 2 cores the first time) and a C++ compiler on the machine; other
     steps run as before. It rounds differently from the eager path (inductor reorders
     the fused ops), so float32 is then no longer token-exact. Off by default.
