@@ -146,7 +146,10 @@ def draft_core(weights: str) -> EngineCore:
 @pytest.mark.soak
 @pytest.mark.parametrize("weights", ["float32", "int8"])
 def test_a_draft_model_changes_no_token(cores: tuple[EngineCore, EngineCore], weights: str) -> None:
-    """The model as its own draft is always right; its int8 copy partly."""
+    """The model as its own draft is always right; its int8 copy mostly (on these two
+    prompts it may agree on every drafted token: 46 of 46 with this machine's int8
+    plan of 2026-12-07, against some rejected before; the rejections themselves are
+    checked on tiny models in tests/speculative/test_draft_model.py)."""
     plain, _ = cores
     drafting = draft_core(weights)
     params = SamplingParams(temperature=0, max_tokens=32)
@@ -156,5 +159,5 @@ def test_a_draft_model_changes_no_token(cores: tuple[EngineCore, EngineCore], we
     if weights == "float32":
         assert counts.num_accepted_tokens == counts.num_draft_tokens > 0
     else:
-        assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+        assert 0 < counts.num_accepted_tokens <= counts.num_draft_tokens
     drafting.close()
