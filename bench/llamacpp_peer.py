@@ -165,8 +165,10 @@ class _Batched:
 
         llama_cpp.llama_batch_free(self.batch)
 
-    def _decode(self, entries: list[tuple[int, int, int]]) -> None:
-        """One `llama_decode` of `(token, position, sequence)` entries, logits for each."""
+    def _decode(self, entries: list[tuple[int, int, int]], *, every_row: bool) -> None:
+        """One `llama_decode` of `(token, position, sequence)` entries, logits for each
+        with `every_row`, else for the last only (a prompt needs no more: logits for all
+        its rows would cost llama.cpp its whole vocabulary per prompt token)."""
         import llama_cpp
 
         batch = self.batch
@@ -174,7 +176,7 @@ class _Batched:
         for i, (token, position, sequence) in enumerate(entries):
             batch.token[i], batch.pos[i] = token, position
             batch.seq_id[i][0], batch.n_seq_id[i] = sequence, 1
-            batch.logits[i] = True
+            batch.logits[i] = every_row or i == len(entries) - 1
         if llama_cpp.llama_decode(self.context.ctx, batch) != 0:
             raise RuntimeError("llama_decode failed (is the context large enough?)")
 
@@ -188,12 +190,13 @@ class _Batched:
     def prefill(self, sequence: int) -> int:
         """Evaluate one prompt into its sequence; its first token."""
         prompt = self.prompts[sequence]
-        self._decode([(token, position, sequence) for position, token in enumerate(prompt)])
+        entries = [(token, position, sequence) for position, token in enumerate(prompt)]
+        self._decode(entries, every_row=False)
         return self._argmax(len(prompt) - 1)
 
     def step(self, tokens: list[int], positions: list[int]) -> list[int]:
         """Every sequence's token at its position in one call; each one's next token."""
-        self._decode([(token, positions[s], s) for s, token in enumerate(tokens)])
+        self._decode([(token, positions[s], s) for s, token in enumerate(tokens)], every_row=True)
         return [self._argmax(s) for s in range(len(tokens))]
 
 
