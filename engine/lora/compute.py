@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from wavecore.engine.lora.adapters import Adapter, FusedDelta, StackedAdapters
+from wavecore.engine.lora.adapters import Adapter, FusedDelta, StackedAdapters, TargetSpan
 
 
 class MixedDecodes:
@@ -59,7 +59,7 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora: LoRARows, layer: int, pro
     for adapter, start, end in lora.runs:
         delta: FusedDelta | None = getattr(adapter.layers[layer], product)
         if delta is not None:
-            _add_run(out[start:end], x[start:end], delta)
+            _add_blocks(out[start:end], x[start:end] @ delta.a, delta.blocks)
     mixed = lora.mixed
     if mixed is None:
         return
@@ -68,11 +68,12 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora: LoRARows, layer: int, pro
         rows = mixed.rows
         h = x[:rows] @ stacked.a
         h.mul_(mixed.mask(stacked.columns, h.dtype))
-        for span, b in stacked.blocks:
-            out[:rows, span.out_start : span.out_stop].addmm_(h[:, span.start : span.stop], b)
+        _add_blocks(out[:rows], h, stacked.blocks)
 
 
-def _add_run(out: torch.Tensor, x: torch.Tensor, delta: FusedDelta) -> None:
-    h = x @ delta.a
-    for span, b in delta.blocks:
+def _add_blocks(
+    out: torch.Tensor, h: torch.Tensor, blocks: tuple[tuple[TargetSpan, torch.Tensor], ...]
+) -> None:
+    """Each target's `h` columns times its `b`, added into its own output columns."""
+    for span, b in blocks:
         out[:, span.out_start : span.out_stop].addmm_(h[:, span.start : span.stop], b)
