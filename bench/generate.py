@@ -204,10 +204,13 @@ def measure_llamacpp_batched(
 def measure_alone(
     system: str, config: EngineConfig, prompts: list[list[int]], new_tokens: int, concurrency: int
 ) -> dict[str, Any] | None:
-    """`measure` in a fresh process, so neither system runs after the other in one heap.
+    """`measure` in a fresh process, so that no other system's threads share it.
 
     Sharing a process is not neutral: wavecore at C=64 ran 117 tokens/s alone and 98
-    in a process that had loaded and run transformers first.
+    in a process that had loaded and run transformers first. transformers (and
+    llama.cpp, through the same libgomp) leave an OpenMP team on the thread that ran
+    them, which makes the engine's model thread pay a wake-up per parallel op
+    (`machine.on_a_thread_of_its_own` says how).
     """
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:

@@ -43,7 +43,7 @@ from typing import Any
 
 import anyio
 import torch
-from machine import describe
+from machine import describe, on_a_thread_of_its_own
 from safetensors.torch import save_file
 
 from wavecore.engine.api import open_engine
@@ -388,7 +388,9 @@ def main() -> None:
     args = parser.parse_args()
     machine = describe()
     result: dict[str, Any] = {"machine": machine}
-    kernels = delta_kernels(torch.device("cpu"), torch.float32, args.quick)
+    # Parts 1 and 2 run torch on threads that end with them: the engine of part 3 then
+    # runs as it does in a process of its own (`on_a_thread_of_its_own` says why).
+    kernels = on_a_thread_of_its_own(delta_kernels, torch.device("cpu"), torch.float32, args.quick)
     if torch.cuda.is_available():
         kernels += delta_kernels(torch.device("cuda"), torch.bfloat16, args.quick)
     result["delta_kernels"] = kernels
@@ -413,7 +415,7 @@ def main() -> None:
                 LoRARequest(f"adapter-{i}", str(write_adapter(Path(root) / str(i), i, SMOLLM)))
                 for i in range(4)
             )
-            steps = executor_step(list(modules), args.quick)
+            steps = on_a_thread_of_its_own(executor_step, list(modules), args.quick)
             result["executor_step"] = steps
             print(f"\nOne executor step of {STEP_DECODES} decodes (interleaved, median)")
             print(f"{'step':<11} {'ms':>8} {'ratio':>6} {'load':>5}")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from machine import describe
+from machine import describe, on_a_thread_of_its_own
 
 from wavecore.engine.api import open_engine
 from wavecore.engine.config import EngineConfig
@@ -256,7 +256,9 @@ def main() -> None:
     parser.add_argument("--skip-engine", action="store_true", help="only the grammar engines")
     args = parser.parse_args()
     machine = describe()
-    engines = grammar_engines(args.quick)
+    # On a thread that ends with it: the engine of the end-to-end part then runs as in a
+    # process of its own (`on_a_thread_of_its_own` says why).
+    engines = on_a_thread_of_its_own(grammar_engines, args.quick)
     print(f"Grammar engines on SmolLM2's vocabulary ({machine['cpu']}, {machine['cpus']} CPUs)")
     print(f"{'engine':<11} {'tokenizer s':>11} {'compile ms':>10} {'cached ms':>9} "
           f"{'mask ms/token':>13} {'mask ms x32':>11}  run-time deps")  # fmt: skip

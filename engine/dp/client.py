@@ -394,13 +394,15 @@ class DPClient:
 
     def _rank_failed(self, message: m.RankFailed) -> None:
         """Rule 4: a rank whose loop failed is lost; a survivor's broken collective is
-        dropped while a shrink runs (it is that shrink's doing), else its cause is
-        found and lost (or, during a scale, the engine dies as it always did)."""
+        dropped while a reconfiguration has a loss in hand (a shrink runs, or a scale
+        took a loss it has not consumed yet: the report is that loss's doing, and the
+        lost rank may be gone from the wiring before a cause is looked for), else its
+        cause is found and lost (or, during a scale, the engine dies as it always did)."""
         if not message.in_collective:
             # A new rank a scale still starts is no member yet: `_lost_member` and the
             # scaler's joining set leave it to the scale.
             self._lose(_Loss(cause=message.error, member=message.member, resend=False))
-        elif not self.scaler.shrinking:
+        elif not self.scaler.losing_ranks:
             self._lose(_Loss(cause=message.error, report=message, shrinks=self._shrinks))
 
     async def coordinator_states(self) -> AsyncIterator[Any]:

@@ -159,6 +159,12 @@ class Scaler:
     def shrinking(self) -> bool:
         return self._machine.active and bool(self._lost)
 
+    @property
+    def losing_ranks(self) -> bool:
+        """A loss cuts into the active reconfiguration: taken by its machine
+        (`shrinking`), or handed over (`take_loss`) and not consumed yet."""
+        return self._machine.active and (bool(self._lost) or self._losses.pending)
+
     def take_loss(self, member: int, cause: str, *, resend: bool) -> None:
         """Rule 7: a rank lost while a reconfiguration runs (`active`) cuts into it."""
         self._losses.take(Loss(member=member, cause=cause, resend=resend))

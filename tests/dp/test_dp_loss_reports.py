@@ -16,6 +16,7 @@ from wavecore.engine.config import EngineConfig
 from wavecore.engine.dp import client as dp_client
 from wavecore.engine.dp.client import DPClient
 from wavecore.engine.errors import EngineDeadError
+from wavecore.statemachines import ScaleRequested
 
 pytestmark = pytest.mark.anyio
 HANG_GUARD = 30  # seconds; only ever reached if the client hangs
@@ -58,6 +59,8 @@ class _Scaler:
     def shrinking(self) -> bool:
         return self.active
 
+    losing_ranks = shrinking
+
     async def shrink(self, host: object, member: int, cause: str, *, resend: bool, task_status):  # type: ignore[no-untyped-def]
         self.active = True
         task_status.started()
@@ -71,6 +74,14 @@ class _Host:
 
     def shrink_refused(self) -> str | None:
         return None
+
+
+_REPORT = m.RankFailed(
+    rank=2,
+    error="rank 2 (pid 1) left its broken DP group: Connection reset by peer",
+    in_collective=True,
+    member=2,
+)
 
 
 # The gap between the loss being taken and the shrink task's first run is a matter of
@@ -87,12 +98,6 @@ async def test_a_report_arriving_as_the_shrink_starts_is_explained_by_it(
     deaths: list[EngineDeadError] = []
     client.on_death(deaths.append)
     client.attach(_Host())  # type: ignore[arg-type]
-    report = m.RankFailed(
-        rank=2,
-        error="rank 2 (pid 1) left its broken DP group: Connection reset by peer",
-        in_collective=True,
-        member=2,
-    )
     with anyio.fail_after(HANG_GUARD):
         async with anyio.create_task_group() as tg:
             tg.start_soon(client.serve_losses)
@@ -101,7 +106,7 @@ async def test_a_report_arriving_as_the_shrink_starts_is_explained_by_it(
             client.process_exited("rank 1", "killed by SIGKILL")
             await anyio.lowlevel.checkpoint()  # the loss is taken; its shrink has not run
             assert not scaler.shrinking
-            client._rank_failed(report)
+            client._rank_failed(_REPORT)
             await anyio.wait_all_tasks_blocked()
             assert scaler.shrinking
             scaler.finish.set()
@@ -110,4 +115,44 @@ async def test_a_report_arriving_as_the_shrink_starts_is_explained_by_it(
             await anyio.wait_all_tasks_blocked()
             tg.cancel_scope.cancel()
     assert wiring.members == [0, 2]
+    assert deaths == []
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_report_arriving_as_a_scale_takes_a_loss_is_explained_by_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """During a scale, a loss goes to the scaler (`take_loss`), which consumes it at its
+    next checkpoint and drops the rank. A survivor's report arriving between the two is
+    that loss's doing: once the lost rank is gone from the wiring, no culprit is left
+    to find, and taking the report as new ended the engine (a 3 -> 2 scale, rank 1
+    killed while rank 2 drained)."""
+    monkeypatch.setattr(dp_client, "_PEER_EXIT_GRACE", 0.05)
+    wiring = _Wiring()
+    config = EngineConfig(executor="null", dp_size=3, on_rank_failure="shrink")
+    client = DPClient(config, None, wiring)  # type: ignore[arg-type]
+    scaler = client.scaler
+    scaler._machine.handle(ScaleRequested(old_dp_size=3, dp_size=2))
+    assert scaler.active
+    deaths: list[EngineDeadError] = []
+    client.on_death(deaths.append)
+    client.attach(_Host())  # type: ignore[arg-type]
+    with anyio.fail_after(HANG_GUARD):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.serve_losses)
+            await anyio.wait_all_tasks_blocked()
+            wiring.by_member[1].exitcode = -9
+            client.process_exited("rank 1", "killed by SIGKILL")
+            await anyio.wait_all_tasks_blocked()  # handed to the scale, not consumed yet
+            assert scaler.losing_ranks and not scaler.shrinking
+            client._rank_failed(_REPORT)
+            # The scale consumes the loss and drops the rank (`DropRanks`) before the
+            # report is looked at.
+            assert scaler._take_losses(_Host())  # type: ignore[arg-type]
+            wiring.members.remove(1)
+            assert scaler.shrinking
+            # What looking for the report's cause would take, and more.
+            await anyio.sleep(10 * dp_client._PEER_EXIT_GRACE)
+            await anyio.wait_all_tasks_blocked()
+            tg.cancel_scope.cancel()
     assert deaths == []
