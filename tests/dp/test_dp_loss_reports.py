@@ -76,6 +76,16 @@ class _Host:
         return None
 
 
+def _client(wiring: _Wiring) -> tuple[DPClient, list[EngineDeadError]]:
+    """A shrinking client over `wiring`, attached, and the deaths it reports."""
+    config = EngineConfig(executor="null", dp_size=3, on_rank_failure="shrink")
+    client = DPClient(config, None, wiring)  # type: ignore[arg-type]
+    deaths: list[EngineDeadError] = []
+    client.on_death(deaths.append)
+    client.attach(_Host())  # type: ignore[arg-type]
+    return client, deaths
+
+
 _REPORT = m.RankFailed(
     rank=2,
     error="rank 2 (pid 1) left its broken DP group: Connection reset by peer",
@@ -92,12 +102,8 @@ async def test_a_report_arriving_as_the_shrink_starts_is_explained_by_it(
 ) -> None:
     monkeypatch.setattr(dp_client, "_PEER_EXIT_GRACE", 0.05)
     wiring = _Wiring()
-    config = EngineConfig(executor="null", dp_size=3, on_rank_failure="shrink")
-    client = DPClient(config, None, wiring)  # type: ignore[arg-type]
+    client, deaths = _client(wiring)
     scaler = client.scaler = _Scaler(wiring)  # type: ignore[assignment]
-    deaths: list[EngineDeadError] = []
-    client.on_death(deaths.append)
-    client.attach(_Host())  # type: ignore[arg-type]
     with anyio.fail_after(HANG_GUARD):
         async with anyio.create_task_group() as tg:
             tg.start_soon(client.serve_losses)
@@ -129,14 +135,10 @@ async def test_a_report_arriving_as_a_scale_takes_a_loss_is_explained_by_it(
     killed while rank 2 drained)."""
     monkeypatch.setattr(dp_client, "_PEER_EXIT_GRACE", 0.05)
     wiring = _Wiring()
-    config = EngineConfig(executor="null", dp_size=3, on_rank_failure="shrink")
-    client = DPClient(config, None, wiring)  # type: ignore[arg-type]
+    client, deaths = _client(wiring)
     scaler = client.scaler
     scaler._machine.handle(ScaleRequested(old_dp_size=3, dp_size=2))
     assert scaler.active
-    deaths: list[EngineDeadError] = []
-    client.on_death(deaths.append)
-    client.attach(_Host())  # type: ignore[arg-type]
     with anyio.fail_after(HANG_GUARD):
         async with anyio.create_task_group() as tg:
             tg.start_soon(client.serve_losses)
