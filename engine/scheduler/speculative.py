@@ -5,8 +5,10 @@ Theory of operation:
 1. Proposals. "ngram" (`NgramProposer`, prompt lookup): the longest suffix of a
    request's tokens, `prompt_lookup_max` down to `prompt_lookup_min` tokens long, is
    looked up in its earlier tokens (prompt and output); the up to k tokens that
-   followed its latest earlier occurrence are the drafts. Nothing matches, nothing is
-   proposed. The search runs on the tokens packed as bytes (`bytes.rfind`, C speed), a
+   followed its latest earlier occurrence that k tokens follow are the drafts, else
+   those after its earliest (in a repeating run the latest occurrences lie too near
+   the end to give k tokens: "0 0" at the end of "... 0 0 0 0 0" was last seen one
+   token back, and drafted one "0" a step). Nothing matches, nothing is proposed. The search runs on the tokens packed as bytes (`bytes.rfind`, C speed), a
    few microseconds for a few thousand tokens. Under structured output the text the
    grammar forces next (a JSON schema's keys and punctuation) is drafted first and
    the lookup continues after it (`Scheduler._lookup`). "draft_model": the executor proposes,
@@ -98,8 +100,8 @@ class NgramProposer:
         self._max = config.prompt_lookup_max
 
     def propose(self, tokens: Sequence[int], count: int) -> list[int]:
-        """Up to `count` tokens that followed the latest earlier occurrence of the
-        longest matching suffix of `tokens`; [] when none matches."""
+        """Up to `count` tokens that followed an earlier occurrence of the longest
+        matching suffix of `tokens` (rule 1 says which); [] when none matches."""
         length = len(tokens)
         if count < 1 or length <= self._min:
             return []
@@ -107,18 +109,35 @@ class NgramProposer:
         width = _WIDTH
         for size in range(min(self._max, length - 1), self._min - 1, -1):
             suffix = packed[(length - size) * width :]
-            # The latest occurrence that ends before the suffix itself, at a token
-            # boundary (bytes.rfind may land inside a token).
-            end = (length - 1) * width
-            while True:
-                found = packed.rfind(suffix, 0, end)
-                if found < 0:
-                    break
-                if found % width == 0:
-                    start = found // width + size
-                    return list(tokens[start : start + count])
-                end = found + len(suffix) - 1
+            # The latest occurrence that `count` tokens follow, else the earliest
+            # (followed by the most), ending before the suffix itself.
+            found = _aligned_rfind(packed, suffix, (length - count) * width)
+            if found < 0:
+                found = _aligned_find(packed, suffix, (length - 1) * width)
+            if found >= 0:
+                start = found // width + size
+                return list(tokens[start : start + count])
         return []
+
+
+def _aligned_rfind(packed: bytes, pattern: bytes, end: int) -> int:
+    """The last occurrence of `pattern` within `packed[:end]` at a token boundary
+    (`bytes.rfind` may land inside a token), or -1."""
+    while (found := packed.rfind(pattern, 0, end)) >= 0:
+        if found % _WIDTH == 0:
+            return found
+        end = found + len(pattern) - 1
+    return -1
+
+
+def _aligned_find(packed: bytes, pattern: bytes, end: int) -> int:
+    """The first occurrence of `pattern` within `packed[:end]` at a token boundary, or -1."""
+    start = 0
+    while (found := packed.find(pattern, start, end)) >= 0:
+        if found % _WIDTH == 0:
+            return found
+        start = found + 1
+    return -1
 
 
 class Backoff:

@@ -37,6 +37,18 @@ def test_the_longest_suffix_found_earlier_proposes_what_followed_its_latest_occu
     assert proposer(low=2, high=2).propose(tokens, 2) == [2, 5]
 
 
+def test_a_repeating_run_drafts_k_tokens_from_an_occurrence_that_k_tokens_follow() -> None:
+    """The latest occurrences of a run's suffix lie too near its end to be followed by
+    k tokens; the latest that is followed by k is taken, else the earliest."""
+    run = [3, 4, 5, 0, 0, 0, 0, 0, 0, 0]
+    assert proposer().propose(run, 3) == [0, 0, 0]
+    # Occurrences of "9 0 0 0" with three tokens after them: the latest is taken.
+    tokens = [9, 0, 0, 0, 1, 2, 3, 9, 0, 0, 0, 4, 5, 6, 9, 0, 0, 0]
+    assert proposer().propose(tokens, 3) == [4, 5, 6]
+    # No occurrence is followed by five: the earliest gives the most.
+    assert proposer(low=2, high=2).propose([1, 2, 1, 2, 1, 2], 5) == [1, 2, 1, 2]
+
+
 def test_matches_inside_a_token_are_not_matches() -> None:
     """Token ids are packed as 4 bytes; a byte pattern found across a token boundary
     must not count."""
