@@ -54,6 +54,7 @@ from wavecore.engine.model.errors import ModelLoadError
 from wavecore.engine.model.executor import DTypeSpec, ModelExecutor, WeightFormat, load_executor
 from wavecore.engine.model.kv_cache import bytes_per_block
 from wavecore.engine.model.resolve import resolve_model_source
+from wavecore.engine.sampling.sampler import argmax_rows
 
 # A sentence both tokenizers must split alike (a draft must share the target's tokens).
 _PROBE = "The draft model's tokenizer must match: 12 + 30 = 42, naïve café."
@@ -169,7 +170,7 @@ class DraftModel:
             step += 1
             passes, following = [], []
             for (request_id, position, count), token in zip(
-                drafting, logits.argmax(dim=-1).tolist(), strict=True
+                drafting, argmax_rows(logits).tolist(), strict=True
             ):
                 proposals[request_id].append(token)
                 if step < count:

