@@ -11,6 +11,12 @@ A seeded request's row comes from a fresh generator seeded with a 64-bit mix of
 its token, therefore depends only on the seed, the position, the vocabulary size and
 the device, never on which other requests share the batch. Unseeded rows draw from
 one generator per device owned by the sampler.
+
+The noise is `-log(1 - U)` of uniform float32 draws `U` in [0, 1), not torch's
+`exponential_`, which on the CPU took 41 ms for 32 rows of SmolLM2's 49,152 tokens
+against 5.5 (2 vCPU Xeon): as long as the forward of those 32 decodes. The uniforms'
+resolution (2^-24) bounds the noise at 16.6 and rounds it near 0, so each token's
+chance is exact to about 1e-7, the resolution of float32 sampling anyway.
 """
 
 from __future__ import annotations
@@ -62,19 +68,25 @@ class NoiseSource:
         device: torch.device,
     ) -> torch.Tensor:
         """`shape[0]` rows of Exponential(1) noise; row `i` reproducible if `seeds[i]` is set."""
-        noise = torch.empty(shape, dtype=torch.float32, device=device)
         unseeded = [i for i, seed in enumerate(seeds) if seed is None]
         if len(unseeded) == shape[0]:
-            noise.exponential_(generator=self._shared_generator(device))
-        elif unseeded:
-            shared = torch.empty((len(unseeded), shape[1]), dtype=torch.float32, device=device)
-            shared.exponential_(generator=self._shared_generator(device))
-            noise[unseeded] = shared
-        for i, seed in enumerate(seeds):
-            if seed is not None:
-                generator = torch.Generator(device=device)
-                generator.manual_seed(row_seed(seed, positions[i]))
-                noise[i].exponential_(generator=generator)
-        # exponential_ may return exactly 0; dividing by it would let a token of zero
-        # probability win (0 / 0), so the smallest normal float stands in.
-        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+            noise = _uniform(shape, self._shared_generator(device), device)
+        else:
+            noise = torch.empty(shape, dtype=torch.float32, device=device)
+            if unseeded:
+                shared = self._shared_generator(device)
+                noise[unseeded] = _uniform((len(unseeded), shape[1]), shared, device)
+            for i, seed in enumerate(seeds):
+                if seed is not None:
+                    generator = torch.Generator(device=device)
+                    generator.manual_seed(row_seed(seed, positions[i]))
+                    noise[i] = _uniform((shape[1],), generator, device)
+        # -log(1 - U): Exponential(1). U = 0 gives exactly 0; dividing by it would let a
+        # token of zero probability win (0 / 0), so the smallest normal float stands in.
+        return noise.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def _uniform(
+    shape: tuple[int, ...], generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    return torch.rand(shape, generator=generator, dtype=torch.float32, device=device)

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from wavecore.engine.executors.batch import SequenceChunk
+from wavecore.engine.sampling import truncation
 from wavecore.engine.sampling.logits_processing import (
     apply_output_penalties,
     apply_repetition_penalty,
@@ -153,6 +154,28 @@ def test_truncation_leaves_rows_without_filters_whole() -> None:
     assert out.tolist() == [[4.0, 3.0, inf, inf], [1.0, 2.0, 3.0, 4.0], [inf, inf, inf, 9.0]]
     assert apply_top_k_top_p(logits, [0, 4, 0], [1.0, 1.0, 1.0]) is logits
     assert apply_min_p(logits, [0.0, 0.0, 0.0]) is logits
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])
+def test_a_partial_ranking_keeps_what_a_full_sort_keeps(
+    monkeypatch: pytest.MonkeyPatch, scale: float
+) -> None:
+    """Top-p rows without a top-k first rank `_NUCLEUS_GUESS` tokens: the same tokens
+    survive as with a sort of the whole vocabulary, whether the nucleus lies among them
+    (peaked rows) or not (flat rows, which then sort)."""
+    generator = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(8, 49_152, generator=generator) * scale
+    # A row whose 100 likeliest tokens hold about 91% and a long flat tail the rest:
+    # its nucleus at p = 0.9 lies among the ranked, but only just.
+    logits[7] = 0.0
+    logits[7, :100] = 8.5 + 0.1 * torch.randn(100, generator=generator)
+    top_k = [0, 0, 40, 0, 2000, 0, 0, 0]
+    top_p = [0.9, 0.5, 0.9, 1.0, 0.95, 0.99, 0.3, 0.8]
+    partial = apply_top_k_top_p(logits, top_k, top_p)
+    monkeypatch.setattr(truncation, "_NUCLEUS_GUESS", logits.shape[1])
+    full = apply_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(partial.isinf(), full.isinf())
+    assert torch.equal(partial[~partial.isinf()], logits[~partial.isinf()])
 
 
 def test_combined_filters_leave_only_the_top_token() -> None:
