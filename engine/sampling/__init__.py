@@ -2,7 +2,7 @@
 
 - `sampler.Sampler`: one token (and optional logprobs) per row of a logits batch:
   penalties and `min_tokens` (`logits_processing`), temperature, top-k/top-p/min-p
-  (`truncation`), then a race against exponential noise (`noise`).
+  (`truncation`), then one uniform draw a row (`row_draws`).
 - `tokenizer.Tokenizer`: text to ids and back, and chat prompts, from a resolved
   model (`from_source`), a GGUF file (`gguf_tokenizer`) or a Hugging Face directory;
   `chat_template` renders templates in a sandbox. `byte_tokenizer.ByteTokenizer` is a model-free

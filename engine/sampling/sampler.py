@@ -5,7 +5,7 @@ Order of operations for each row (all of them vectorized over the batch):
    tokens (see `logits_processing`);
 2. greedy rows (temperature below `GREEDY_TEMPERATURE`) take the argmax here;
 3. other rows are divided by their temperature, truncated by top-k, top-p and min-p
-   (see `truncation`), softmaxed, and raced against exponential noise (see `noise`).
+   (see `truncation`), softmaxed, and drawn from by one uniform each (see `row_draws`).
 
 A batch where every request is plain greedy (no penalties, no pending `min_tokens`,
 no logprobs) skips all of that for a single argmax.
@@ -29,7 +29,7 @@ from wavecore.engine.sampling.logits_processing import (
     apply_repetition_penalty,
     mask_stop_tokens_before_min,
 )
-from wavecore.engine.sampling.noise import NoiseSource
+from wavecore.engine.sampling.row_draws import RowDraws, pick
 from wavecore.engine.sampling.truncation import apply_min_p, apply_top_k_top_p
 
 # Dividing by a smaller temperature overflows float32 logits; such a request is
@@ -68,7 +68,7 @@ class Sampler:
                 f"eos_token_id must be a non-negative int or None, got {eos_token_id!r}"
             )
         self._eos_token_id = eos_token_id
-        self._noise = NoiseSource(seed)
+        self._draws = RowDraws(seed)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -119,13 +119,10 @@ class Sampler:
         )
         candidates = apply_min_p(candidates, [c.sampling.min_p for c in chunks])
         probs = candidates.softmax(dim=1)
-        noise = self._noise.exponential(
-            tuple(probs.shape),
-            [c.sampling.seed for c in chunks],
-            [c.num_output_tokens for c in chunks],
-            probs.device,
+        uniforms = self._draws.uniforms(
+            [c.sampling.seed for c in chunks], [c.num_output_tokens for c in chunks], probs.device
         )
-        return argmax_rows(probs / noise)
+        return pick(probs, uniforms)
 
 
 def _check_inputs(logits: torch.Tensor, chunks: Sequence[SequenceChunk]) -> None:
