@@ -19,7 +19,7 @@ Semantics follow the conventions clients expect:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 
 import torch
@@ -51,16 +51,18 @@ def _history_indices(
 
 def _seen_pairs(
     logits: torch.Tensor,
-    selected: list[int],
-    histories: Sequence[Sequence[int]],
     chunks: Sequence[SequenceChunk],
+    selected: list[int],
+    history: Callable[[SequenceChunk], Sequence[int]],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every distinct (row, token) of the `selected` rows' `histories`: rows, tokens,
+    """Every distinct (row, token) of the `selected` rows' `history`: rows, tokens,
     each pair's count, and its row's place in `selected`."""
     vocab_size = logits.shape[1]
     device = logits.device
     picked = [chunks[i] for i in selected]
-    places, tokens = _history_indices(histories, [c.request_id for c in picked], vocab_size, device)
+    places, tokens = _history_indices(
+        [history(c) for c in picked], [c.request_id for c in picked], vocab_size, device
+    )
     index = torch.tensor(selected, dtype=torch.long, device=device)
     pairs, counts = torch.unique(index[places] * vocab_size + tokens, return_counts=True)
     rows = pairs // vocab_size
@@ -68,12 +70,19 @@ def _seen_pairs(
     return rows, pairs % vocab_size, counts, torch.searchsorted(index, rows)
 
 
+def _all_tokens(chunk: SequenceChunk) -> Sequence[int]:
+    return chunk.all_token_ids
+
+
+def _output_tokens(chunk: SequenceChunk) -> Sequence[int]:
+    return chunk.all_token_ids[chunk.prompt_len :]
+
+
 def apply_repetition_penalty(logits: torch.Tensor, chunks: Sequence[SequenceChunk]) -> None:
     selected = [i for i, c in enumerate(chunks) if c.sampling.repetition_penalty != 1.0]
     if not selected:
         return
-    histories = [chunks[i].all_token_ids for i in selected]
-    rows, tokens, _, places = _seen_pairs(logits, selected, histories, chunks)
+    rows, tokens, _, places = _seen_pairs(logits, chunks, selected, _all_tokens)
     penalty = torch.tensor(
         [chunks[i].sampling.repetition_penalty for i in selected],
         dtype=logits.dtype,
@@ -92,8 +101,7 @@ def apply_output_penalties(logits: torch.Tensor, chunks: Sequence[SequenceChunk]
     ]
     if not selected:
         return
-    outputs = [chunks[i].all_token_ids[chunks[i].prompt_len :] for i in selected]
-    rows, tokens, counts, places = _seen_pairs(logits, selected, outputs, chunks)
+    rows, tokens, counts, places = _seen_pairs(logits, chunks, selected, _output_tokens)
     frequency = torch.tensor(
         [chunks[i].sampling.frequency_penalty for i in selected],
         dtype=logits.dtype,
