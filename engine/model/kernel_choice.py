@@ -22,8 +22,8 @@ reads every weight from memory, and in-cache timings rank kernels otherwise (Smo
 on the Xeon of the README: one unit in cache at 8 rows put oneDNN's bfloat16 16% ahead
 of the weight-only kernel, which ran a 6-token verification of the real model in
 26.8 ms against bfloat16's 32.8, and 6 decodes in 34.4 against 37.9); the
-compute-bound classes run one unit. The kernels alternate within each round, so a burst of load from
-another process hits all of them, and each is judged by its fastest round: outside
+compute-bound classes run one unit. The kernels alternate within each round, so a
+burst of load from another process hits all of them, and each is judged by its fastest round: outside
 load only ever adds time, and on a shared 2-core machine a busy neighbour slowed every
 parallel op of a round several-fold (medians then ranked kernels by their number of
 ops, not their speed).

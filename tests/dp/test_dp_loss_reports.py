@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import pytest
 from dp_helpers import FakeRankProcess
@@ -86,6 +87,16 @@ def _client(wiring: _Wiring) -> tuple[DPClient, list[EngineDeadError]]:
     return client, deaths
 
 
+async def _serve_then_kill_rank_1(
+    tg: anyio.abc.TaskGroup, client: DPClient, wiring: _Wiring
+) -> None:
+    """Start taking losses, then have the watcher see rank 1 killed."""
+    tg.start_soon(client.serve_losses)
+    await anyio.wait_all_tasks_blocked()
+    wiring.by_member[1].exitcode = -9
+    client.process_exited("rank 1", "killed by SIGKILL")
+
+
 _REPORT = m.RankFailed(
     rank=2,
     error="rank 2 (pid 1) left its broken DP group: Connection reset by peer",
@@ -106,10 +117,7 @@ async def test_a_report_arriving_as_the_shrink_starts_is_explained_by_it(
     scaler = client.scaler = _Scaler(wiring)  # type: ignore[assignment]
     with anyio.fail_after(HANG_GUARD):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(client.serve_losses)
-            await anyio.wait_all_tasks_blocked()
-            wiring.by_member[1].exitcode = -9
-            client.process_exited("rank 1", "killed by SIGKILL")
+            await _serve_then_kill_rank_1(tg, client, wiring)
             await anyio.lowlevel.checkpoint()  # the loss is taken; its shrink has not run
             assert not scaler.shrinking
             client._rank_failed(_REPORT)
@@ -141,10 +149,7 @@ async def test_a_report_arriving_as_a_scale_takes_a_loss_is_explained_by_it(
     assert scaler.active
     with anyio.fail_after(HANG_GUARD):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(client.serve_losses)
-            await anyio.wait_all_tasks_blocked()
-            wiring.by_member[1].exitcode = -9
-            client.process_exited("rank 1", "killed by SIGKILL")
+            await _serve_then_kill_rank_1(tg, client, wiring)
             await anyio.wait_all_tasks_blocked()  # handed to the scale, not consumed yet
             assert scaler.losing_ranks and not scaler.shrinking
             client._rank_failed(_REPORT)
