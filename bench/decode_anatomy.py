@@ -143,7 +143,7 @@ def main() -> None:
     median["executor (step - forward)"] = median["step"] - median["forward"]
     roof = streamed / (bandwidth * 1e9)
 
-    kernels = executor.kernels.report()
+    kernels = executor.path_report()
     print(
         f"{describe()['cpu']}, {torch.get_num_threads()} threads; {executor.source.path.name}, "
         f"context {context}; default path kernels: decode {kernels['decode']}; "

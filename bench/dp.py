@@ -43,7 +43,10 @@ idle workers), the rest of the machine (other users' load) and idle, with the lo
 average: on a small shared machine the throughput ratio means little without them.
 The summary adds the medians of the undisturbed runs (the rest of the machine used
 under 0.1 CPU s), and `--quiet-wait S` waits up to S seconds before each engine for
-the machine to fall quiet (under 10% busy), so that more runs are.
+the machine to fall quiet (under 10% busy), so that more runs are. With `--executor
+model` the same comparison runs the real model (the default path) in each rank, as a
+served engine would (results/dp_ray_model.json): the launchers' throughput where the
+model, not the engine's overhead, takes the time.
 
 Usage: python bench/dp.py [--quick] [--executor null|model] [--requests N] [--max-tokens N]
        [--iteration-details [--repeats N]]
@@ -396,7 +399,8 @@ def _backends_main(args: argparse.Namespace) -> None:
     header = f"{'backend':<8} {'start s':>8} {'tokens/s':>10} {'death->shrunk s':>16} {'death->served s':>16}"
     load = statistics.median(run["load_1min"] for rows in runs.values() for run in rows)
     print(
-        f"lockstep dp 2, null executor, medians of {args.repeats} (CPU: {describe()['cpu']}, "
+        f"lockstep dp 2, {args.executor} executor, medians of {args.repeats} "
+        f"(CPU: {describe()['cpu']}, "
         f"load average {load:.2f} at the measured runs, median)"
     )
     print(header)
@@ -429,7 +433,8 @@ def _backends_main(args: argparse.Namespace) -> None:
                 for key, name in zip(cpu_keys, names, strict=True)
             )
         )
-    output = args.output or RESULTS.with_name("dp_ray.json")
+    name = "dp_ray.json" if args.executor == "null" else "dp_ray_model.json"
+    output = args.output or RESULTS.with_name(name)
     result = {
         "benchmark": "dp_ray",
         "quick": args.quick,

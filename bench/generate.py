@@ -306,6 +306,12 @@ def main() -> None:
         help="wavecore's compute dtype (EngineConfig.dtype)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="wavecore's KV cache dtype (EngineConfig.kv_cache_dtype)",
+    )
+    parser.add_argument(
         "--concurrency",
         type=int,
         nargs="+",
@@ -326,6 +332,7 @@ def main() -> None:
         executor=args.executor,
         weights=args.weights,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=64,
         max_num_batched_tokens=2048,
         kv_cache_memory=2**28 if args.quick else KV_CACHE_MEMORY,

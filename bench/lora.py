@@ -307,7 +307,7 @@ def executor_step(adapters: list[LoRARequest], quick: bool) -> list[dict[str, An
                 start = time.perf_counter()
                 executor.execute(batch)
                 times[name].append((time.perf_counter() - start) * 1000)
-        kernels = executor.kernels.report()
+        kernels = executor.path_report()
     finally:
         executor.close()
     base = statistics.median(times["base"])

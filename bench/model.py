@@ -401,13 +401,13 @@ def main() -> None:
         f"weights per token at {bandwidth:.1f} GB/s); wavecore batch 1 reaches "
         f"{batch_one / bandwidth_roof:.0%} of it"
     )
-    report = executor.kernels.report()
+    report = executor.path_report()
     print(
         f"kernels chosen ({report['origin']}): "
         + ", ".join(f"{c} {report[c]}" for c in ("decode", "small", "large", "prefill"))
     )
     if auto is not None:
-        chosen = auto.kernels.report()
+        chosen = auto.path_report()
         auto_roof = bandwidth * 1e9 / auto.streamed_weight_bytes
         print(
             f"default path (weights=auto) kernels ({chosen['origin']}): "
@@ -458,8 +458,8 @@ def main() -> None:
         "cpu_model": cpu_name(),
         "kernels": report,
         "kernel_measure_s": executor.kernels.measure_seconds,
-        "int8_kernels": int8.kernels.report() if int8 is not None else None,
-        "auto_kernels": auto.kernels.report() if auto is not None else None,
+        "int8_kernels": int8.path_report() if int8 is not None else None,
+        "auto_kernels": auto.path_report() if auto is not None else None,
         "auto_weights_bytes": auto.memory().weights if auto is not None else None,
         "kernels_batch1": kernel_rows,
         "matmul_gflops": roof,

@@ -88,6 +88,11 @@ class EngineConfig:
     LM head to int8 at load (CPU only; see `engine/model/int8_linear.py`). `dtype` is
     the compute dtype: "auto" is float32 on the CPU and bfloat16 (else float16) on a
     GPU; an explicit dtype, or a GPU, makes "auto" weights "float32".
+    `kv_cache_dtype` is the KV cache's ("float32", "bfloat16", "float16"): "auto" is
+    bfloat16 where the "auto" weights run on a CPU with native bfloat16 (their quality
+    judged with it; decode at real contexts reads the cache more than the weights, and
+    the same `kv_cache_memory` holds twice the tokens), else the compute dtype, so an
+    explicit float32 stays exact.
 
     `compile_decode=True` runs every step that is one sequence's decode (batch 1)
     through a graph compiled by torch.compile (`engine/model/compiled_decode.py`):
@@ -137,6 +142,7 @@ class EngineConfig:
     weights: Weights = "auto"
     dtype: DType = "auto"
     compile_decode: bool = False
+    kv_cache_dtype: DType = "auto"
     kv_cache_memory: int | float = 512 * 2**20
     block_size: int = 16
     max_num_seqs: int = 64
@@ -266,6 +272,11 @@ class EngineConfig:
             raise ValueError(
                 "EngineConfig.dtype must be 'auto', 'float32', 'bfloat16' or 'float16', "
                 f"got {self.dtype!r}"
+            )
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                "EngineConfig.kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or "
+                f"'float16', got {self.kv_cache_dtype!r}"
             )
         if self.on_rank_failure not in ("shrink", "fail"):
             raise ValueError(

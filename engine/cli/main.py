@@ -54,6 +54,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             device=args.device,
             weights=args.weights,
             dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
             compile_decode=args.compile_decode,
             kv_cache_memory=memory,
             max_num_seqs=args.max_num_seqs,
@@ -344,6 +345,8 @@ def summary_table(
         classes = ("decode", "small", "large", "prefill")
         plan = ", ".join(f"{c} {kernels[c]}" for c in classes if c in kernels)
         rows.append(("kernels", f"{plan} ({kernels.get('origin', '?')})"))
+        if "kv_cache" in kernels:
+            rows.append(("KV cache", kernels["kv_cache"]))
     for what, value in rows:
         table.add_row(what, value)
     return table
@@ -558,6 +561,13 @@ def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGro
         help="compute dtype (auto: float32 on the CPU, bfloat16 or float16 on a GPU)",
     )
     engine.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="the KV cache's dtype (auto: bfloat16 beside the auto weights on a CPU with "
+        "native bfloat16, else the compute dtype)",
+    )
+    engine.add_argument(
         "--compile-decode",
         action="store_true",
         help="batch-1 decodes through a torch.compile'd graph (~1.2x on a CPU; compiles "
@@ -676,6 +686,9 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--weights", choices=["auto", "float32", "int8"], default="auto")
     rank.add_argument("--compile-decode", action="store_true")
     rank.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    rank.add_argument(
+        "--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto"
+    )
     rank.add_argument("--max-num-seqs", type=int, default=64)
     rank.add_argument("--kv-cache-memory", type=_memory, default=512 * 2**20)
     return parser

@@ -115,14 +115,11 @@ class CoreEffects:
 
     def report(self) -> object:
         stats = self._stats()
-        # Only a real model has kernels to report (`ModelExecutor.kernels`).
-        kernels = getattr(self._core.executor, "kernels", None)
-        if kernels is None:
+        # Only a real model has a path to report (`ModelExecutor.path_report`).
+        path_report = getattr(self._core.executor, "path_report", None)
+        if path_report is None:
             return stats
-        report = kernels.report()
-        if getattr(self._core.executor, "compiles_decode", False):
-            report["decode"] += " (compiled)"  # `compile_decode`: say which path ran
-        return dataclasses.replace(stats, kernels=report)
+        return dataclasses.replace(stats, kernels=path_report())
 
     def fail_call(self, call_id: int, error: str) -> None:
         """Have this call's reply, whenever the loop sends it, carry `error` (a switch

@@ -94,6 +94,7 @@ class EngineCore:
             device=config.device,
             weights=config.weights,
             dtype=config.dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
             compile_decode=config.compile_decode,
             kv_cache_memory=config.kv_cache_memory,
             block_size=config.block_size,

@@ -77,13 +77,16 @@ def paged_attention(
     plan: AttentionPlan,
     scale: float,
 ) -> torch.Tensor:
-    """`queries` `[tokens, heads, head_dim]` -> outputs of the same shape.
+    """`queries` `[tokens, heads, head_dim]` -> outputs of the same shape and dtype.
 
-    The pools must already hold this pass's keys and values.
+    The pools must already hold this pass's keys and values. Attention runs in the
+    pools' dtype (the queries are rounded to it: the fused kernels take one dtype).
     """
+    dtype = queries.dtype
+    queries = queries.to(key_pool.dtype)
     with sdpa_kernel(_CUDA_BACKENDS) if queries.is_cuda else nullcontext():
         if len(plan.decodes) == 1 and not plan.prefills:
-            return _decode(queries, key_pool, value_pool, plan.decodes[0], scale)
+            return _decode(queries, key_pool, value_pool, plan.decodes[0], scale).to(dtype)
         out = torch.empty_like(queries)
         for decode in plan.decodes:
             rows = slice(decode.token_start, decode.token_start + decode.num_tokens)
@@ -91,7 +94,7 @@ def paged_attention(
         for prefill in plan.prefills:
             rows = slice(prefill.token_start, prefill.token_start + prefill.num_tokens)
             out[rows] = _prefill(queries[rows], key_pool, value_pool, prefill, scale)
-        return out
+        return out.to(dtype)
 
 
 def _decode(

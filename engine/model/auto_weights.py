@@ -6,7 +6,10 @@ reference. From it:
   (`kernel_choice.ROUNDING_KERNELS`): the float32 model and a copy whose every
   projection runs that kernel score the fixed texts of `quality.py`, teacher-forced;
   only a kernel within `quality.MIN_AGREEMENT` / `MAX_PERPLEXITY_CHANGE` is admitted.
-  Called only when the plan is measured, not when it comes from the cache;
+  The copy runs with the engine's KV cache dtype (bfloat16 beside these kernels on a
+  CPU with native bfloat16, `kv_cache.pick_kv_cache_dtype`), so the budget covers the
+  cache's rounding too; the reference keeps float32 throughout. Called only when the
+  plan is measured, not when it comes from the cache;
 - `build(plan)` makes the final weights: every projection with the forms `plan`
   runs and no other (`linear.Projection.build`), the int8 form quantized with the
   calibration of `int8_weights.py`. The float32 reference is then dropped, unless the
@@ -48,10 +51,14 @@ class AutoWeights:
         config: ModelConfig,
         encode: Callable[[str], list[int]],
         calibration_encode: Callable[[str], list[int]] | None,
+        *,
+        kv_cache_dtype: torch.dtype = torch.float32,
     ) -> None:
         """`reference`: float32, plain; `encode` tokenizes the quality texts and
-        `calibration_encode` the int8 calibration text (None: its bytes)."""
+        `calibration_encode` the int8 calibration text (None: its bytes);
+        `kv_cache_dtype`: the cache the judged kernels will run beside."""
         self._reference = reference
+        self._kv_cache_dtype = kv_cache_dtype
         self._config = config
         self._encode = encode
         self._calibration_encode = calibration_encode
@@ -62,17 +69,20 @@ class AutoWeights:
         texts = [*AGREEMENT_TEXTS, PERPLEXITY_TEXT]
         sequences = [self._encode(text)[: self._config.context_length] for text in texts]
 
-        def scorer(weights: ModelWeights) -> Callable[[Sequence[int]], torch.Tensor]:
+        def scorer(
+            weights: ModelWeights, kv_cache_dtype: torch.dtype
+        ) -> Callable[[Sequence[int]], torch.Tensor]:
             # Every text in one pass; `compare` then asks for them one by one.
-            logits = score_sequences(weights, self._config, sequences)
+            logits = score_sequences(weights, self._config, sequences, kv_cache_dtype)
             by_tokens = {tuple(s): each for s, each in zip(sequences, logits, strict=True)}
             return lambda tokens: by_tokens[tuple(tokens)]
 
         encode = {text: tokens for text, tokens in zip(texts, sequences, strict=True)}.__getitem__
 
-        reference = scorer(self._reference)
+        reference = scorer(self._reference, torch.float32)
         return {
-            kernel: compare(reference, scorer(self._uniform(kernel)), encode) for kernel in kernels
+            kernel: compare(reference, scorer(self._uniform(kernel), self._kv_cache_dtype), encode)
+            for kernel in kernels
         }
 
     def build(self, plan: KernelPlan) -> ModelWeights:

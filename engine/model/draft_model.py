@@ -52,7 +52,7 @@ from wavecore.engine.executors.batch import (
 from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.errors import ModelLoadError
 from wavecore.engine.model.executor import DTypeSpec, ModelExecutor, WeightFormat, load_executor
-from wavecore.engine.model.kv_cache import bytes_per_block
+from wavecore.engine.model.kv_cache import bytes_per_block, dtype_name
 from wavecore.engine.model.resolve import resolve_model_source
 from wavecore.engine.sampling.sampler import argmax_rows
 
@@ -84,7 +84,7 @@ class DraftModel:
         `DraftModelError` when it cannot draft for it: another vocabulary or
         tokenizer, a shorter context, another compute dtype."""
         source_config = _draft_config(model)
-        per_block = bytes_per_block(source_config, target.block_size, target.dtype)
+        per_block = bytes_per_block(source_config, target.block_size, target.kv_cache_dtype)
         if source_config.context_length < target.max_model_len:
             raise DraftModelError(
                 f"draft model {model!r} has a context of {source_config.context_length} "
@@ -95,6 +95,7 @@ class DraftModel:
             device=target.device,
             dtype=dtype,
             weights=weights,
+            kv_cache_dtype=dtype_name(target.kv_cache_dtype),  # the geometry of rule 1
             kv_cache_memory=per_block * target.num_kv_blocks,
             block_size=target.block_size,
             max_model_len=target.max_model_len,

@@ -55,8 +55,16 @@ from wavecore.engine.model.batch_plan import CacheGeometry, ForwardPlan, plan_fo
 from wavecore.engine.model.compiled_decode import CompiledDecode
 from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.errors import CompileDecodeError, InvalidBatchError
-from wavecore.engine.model.kernel_choice import KernelChoice, choose_kernels
-from wavecore.engine.model.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
+from wavecore.engine.model.kernel_choice import ROUNDING_KERNELS, KernelChoice, choose_kernels
+from wavecore.engine.model.kv_cache import (
+    KVCacheDType,
+    PagedKVCache,
+    blocks_for_budget,
+    bytes_per_block,
+    dtype_name,
+    pick_kv_cache_dtype,
+)
+from wavecore.engine.model.linear import can_pack_bf16
 from wavecore.engine.model.llama import LlamaModel
 from wavecore.engine.model.resolve import resolve_model_source
 from wavecore.engine.model.rope import RotaryTable
@@ -151,6 +159,7 @@ class ModelExecutor:
         seed: int = 0,
         weights: WeightFormat = "auto",
         dtype: DTypeSpec = "auto",
+        kv_cache_dtype: KVCacheDType = "auto",
         enable_lora: bool = False,
         max_loras: int = 4,
         max_lora_rank: int = 64,
@@ -166,6 +175,16 @@ class ModelExecutor:
             raise ValueError(
                 f"weights='int8' computes in float32; dtype {dtype!r} cannot go with it"
             )
+        # The KV cache takes its own dtype (`kv_cache.pick_kv_cache_dtype`): bfloat16 for
+        # "auto" beside a plan that rounds to it, which is known only once the plan is.
+        kv_if_rounding = pick_kv_cache_dtype(
+            kv_cache_dtype,
+            compute=self._dtype,
+            rounds_to_bf16=self._weights == "auto" and can_pack_bf16(self._device, self._dtype),
+        )
+        kv_otherwise = pick_kv_cache_dtype(
+            kv_cache_dtype, compute=self._dtype, rounds_to_bf16=False
+        )
         if self._device.type == "cpu":
             _use_all_cores()
         config = source.config
@@ -178,8 +197,10 @@ class ModelExecutor:
                 config, device=self._device, dtype=self._dtype, weights=self._weights
             )
         self._block_size = block_size
-        self._num_blocks = blocks_for_budget(
-            kv_cache_memory, bytes_per_block(config, block_size, self._dtype), self._device
+        # Bad sizes are refused before the slow load, against the wider of the caches.
+        widest = max(kv_if_rounding, kv_otherwise, key=lambda t: t.itemsize)
+        blocks_for_budget(
+            kv_cache_memory, bytes_per_block(config, block_size, widest), self._device
         )
         limit = config.context_length
         if max_model_len is not None:
@@ -194,10 +215,15 @@ class ModelExecutor:
                     f"max_model_len {max_model_len} exceeds the model's context length {limit}"
                 )
             limit = max_model_len
+
+        weights = self._load_weights(self._device, kv_if_rounding)
+        rounds = any(self.kernels.plan.uses(kernel) for kernel in ROUNDING_KERNELS)
+        self._kv_dtype = kv_if_rounding if rounds else kv_otherwise
+        self._num_blocks = blocks_for_budget(
+            kv_cache_memory, bytes_per_block(config, block_size, self._kv_dtype), self._device
+        )
         # A sequence longer than the whole cache could never be scheduled.
         self._max_model_len = min(limit, self._num_blocks * block_size)
-
-        weights = self._load_weights(self._device)
         self._rotary = RotaryTable(
             config,
             self._max_model_len,
@@ -277,6 +303,11 @@ class ModelExecutor:
         return self._dtype
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (`kv_cache.pick_kv_cache_dtype`)."""
+        return self._kv_dtype
+
+    @property
     def weights(self) -> WeightFormat:
         """How the projections are stored: "float32" (the model's dtype), "int8", or
         "auto" (per shape class, as `kernels` says)."""
@@ -288,6 +319,16 @@ class ModelExecutor:
         if self._kernel_choice is None:
             raise RuntimeError("the kernels are chosen when the weights load")
         return self._kernel_choice
+
+    def path_report(self) -> dict[str, str]:
+        """Which path runs, for `stats()`: the CPU, each shape class's kernel (the
+        decode's "(compiled)" with `compile_decode`), where the plan came from, and the
+        KV cache's dtype."""
+        report = self.kernels.report()
+        if self._compiled is not None:
+            report["decode"] += " (compiled)"
+        report["kv_cache"] = dtype_name(self._kv_dtype)
+        return report
 
     @property
     def compiles_decode(self) -> bool:
@@ -511,7 +552,8 @@ class ModelExecutor:
             if self._offloaded is not None:
                 weights = self._offloaded.to(self._device)
             else:
-                weights = self._load_weights(self._device)
+                # The plan is known by now: nothing is judged again.
+                weights = self._load_weights(self._device, self._kv_dtype)
             self._offloaded = None
             self._model = LlamaModel(self.config, weights, self._rotary)
         if "kv_cache" in tags and self._cache is None:
@@ -612,9 +654,11 @@ class ModelExecutor:
 
     # -- internals --------------------------------------------------------------------
 
-    def _load_weights(self, device: torch.device) -> ModelWeights:
+    def _load_weights(self, device: torch.device, judged_kv: torch.dtype) -> ModelWeights:
+        """The weights in the forms their plan runs; "auto" judges its rounding kernels
+        beside a KV cache of `judged_kv`, the dtype the cache takes if they are chosen."""
         if self._weights == "auto":
-            return self._load_auto_weights()
+            return self._load_auto_weights(judged_kv)
         weights = ModelWeights.build(
             self.config,
             self._source.load_tensors(),
@@ -630,7 +674,7 @@ class ModelExecutor:
             weights = quantize_weights(weights, self.config, self._encoder())
         return weights
 
-    def _load_auto_weights(self) -> ModelWeights:
+    def _load_auto_weights(self, judged_kv: torch.dtype) -> ModelWeights:
         from wavecore.engine.model.auto_weights import AutoWeights
         from wavecore.engine.model.linear import BLAS
         from wavecore.engine.model.quality import byte_ids
@@ -650,6 +694,7 @@ class ModelExecutor:
             self.config,
             encoder or (lambda text: byte_ids(text, vocab)),
             encoder,
+            kv_cache_dtype=judged_kv,
         )
         if self._kernel_choice is None:
             self._kernel_choice = choose_kernels(
@@ -659,6 +704,7 @@ class ModelExecutor:
                 weights="auto",
                 quality=auto.quality,
                 model_key=_model_key(self._source.path),
+                kv_cache_dtype=judged_kv,
             )
         with torch.inference_mode():
             return auto.build(self._kernel_choice.plan)
@@ -680,7 +726,7 @@ class ModelExecutor:
             num_blocks=self._num_blocks,
             block_size=self._block_size,
             device=self._device,
-            dtype=self._dtype,
+            dtype=self._kv_dtype,
         )
 
     def _check_open(self) -> None:
@@ -723,6 +769,7 @@ def load_executor(
     seed: int = 0,
     weights: WeightFormat = "auto",
     dtype: DTypeSpec = "auto",
+    kv_cache_dtype: KVCacheDType = "auto",
     enable_lora: bool = False,
     max_loras: int = 4,
     max_lora_rank: int = 64,
@@ -733,8 +780,10 @@ def load_executor(
     compute dtype ("auto": float32 on the CPU, bfloat16 or float16 on a GPU). Both
     "auto" (the defaults) on the CPU: each shape class runs the fastest of float32,
     bfloat16 (CPUs with AMX or AVX-512 BF16) and int8 within the accuracy budget,
-    measured on first load and cached (`kernel_choice.py`). `compile_decode` runs
-    batch-1 decodes through a compiled graph (`compiled_decode.py`), compiled here."""
+    measured on first load and cached (`kernel_choice.py`), the KV cache then in
+    bfloat16 where that plan rounds to it (`kv_cache_dtype`, `kv_cache.py`).
+    `compile_decode` runs batch-1 decodes through a compiled graph
+    (`compiled_decode.py`), compiled here."""
     return ModelExecutor(
         resolve_model_source(model),
         device=device,
@@ -745,6 +794,7 @@ def load_executor(
         seed=seed,
         weights=weights,
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         enable_lora=enable_lora,
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,

@@ -157,10 +157,12 @@ def choose_kernels(
     measure: Measure | None = None,
     quality: Quality | None = None,
     model_key: str = "",
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> KernelChoice:
     """The plan for `config`'s projections in format `weights` on `device` (rules
     above). For "auto", `quality` judges the rounding kernels (none admitted without
-    it) and `model_key` names the model in the cache key."""
+    it), and `model_key` and the `kv_cache_dtype` they are judged beside are in the
+    cache key."""
     cpu = cpu_name() if device.type == "cpu" else str(device)
     if weights == "int8":
         return KernelChoice(plan=KernelPlan.uniform("fbgemm"), origin="fixed", cpu=cpu)
@@ -181,7 +183,7 @@ def choose_kernels(
     # ignored for a plan cached before it existed.
     key = f"{cache_key(cpu, dtype, weights, shapes)} | {' '.join(candidates)}"
     if weights == "auto":
-        key += f" | model {model_key}"
+        key += f" | model {model_key} | kv cache {kv_cache_dtype or dtype}"
     cache = cache if cache is not None else KernelCache()
     if not forced:
         cached = cache.load(key)

@@ -22,11 +22,15 @@ _BLOCK_SIZE = 16
 
 
 def score_sequences(
-    weights: ModelWeights, config: ModelConfig, sequences: Sequence[Sequence[int]]
+    weights: ModelWeights,
+    config: ModelConfig,
+    sequences: Sequence[Sequence[int]],
+    kv_cache_dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
     """float32 logits `[len, vocab]` of each sequence (cut to the model's context),
     all prefilled together in one float32 pass on the CPU, through a cache of their own
-    (one pass: a load that checks quality runs a few passes, not dozens)."""
+    in `kv_cache_dtype` (one pass: a load that checks quality runs a few passes, not
+    dozens)."""
     cut = [list(tokens)[: config.context_length] for tokens in sequences]
     # A one-token chunk would be planned as a decode, out of order (`batch_plan.py`).
     if not cut or any(len(tokens) < 2 for tokens in cut):
@@ -51,7 +55,7 @@ def score_sequences(
         first_block += blocks
     longest = max(len(tokens) for tokens in cut)
     cache = PagedKVCache(
-        config, num_blocks=first_block, block_size=_BLOCK_SIZE, device=cpu, dtype=torch.float32
+        config, num_blocks=first_block, block_size=_BLOCK_SIZE, device=cpu, dtype=kv_cache_dtype
     )
     rotary = RotaryTable(
         config, longest, rope_freqs=weights.rope_freqs, device=cpu, dtype=torch.float32

@@ -337,6 +337,11 @@ def test_the_weights_and_dtype_flags_reach_the_engine_configuration(command: str
     assert (_engine_config(args).weights, _engine_config(args).dtype) == ("int8", "float32")
     default = _engine_config(build_parser().parse_args([command]))
     assert (default.weights, default.dtype) == ("auto", "auto")
+    assert default.kv_cache_dtype == "auto"
+    told = build_parser().parse_args([command, "--executor", "null", "--kv-cache-dtype", "float32"])
+    assert _engine_config(told).kv_cache_dtype == "float32"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--kv-cache-dtype", "fp8"])
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--weights", "int4"])
     with pytest.raises(SystemExit):
@@ -357,6 +362,7 @@ def test_the_summary_names_the_kernel_each_shape_class_ran() -> None:
         "large": "onednn-bf16",
         "prefill": "blas",
         "origin": "cached",
+        "kv_cache": "bfloat16",
     }
     out = io.StringIO()
     Console(file=out, width=200).print(summary_table(summary, (), kernels))
@@ -364,6 +370,7 @@ def test_the_summary_names_the_kernel_each_shape_class_ran() -> None:
         "decode fbgemm, small onednn-bf16, large onednn-bf16, prefill blas (cached)"
         in out.getvalue()
     )
+    assert re.search(r"KV cache\s+.\s+bfloat16", out.getvalue())
     out = io.StringIO()
     Console(file=out, width=200).print(summary_table(summary))  # the null executor: none
     assert "kernels" not in out.getvalue()

@@ -31,6 +31,13 @@ from wavecore.engine.model import (
     load_executor,
 )
 
+
+@pytest.fixture
+def needs_bf16_kernel() -> None:
+    if not linear.can_pack_bf16(torch.device("cpu"), torch.float32):
+        pytest.skip("this CPU has no native bfloat16 (or torch no oneDNN)")
+
+
 # What each `projections` layout forces (`WAVECORE_KERNELS`).
 LAYOUT_KERNELS = {
     "packed": "onednn",

@@ -336,3 +336,26 @@ def prefill_logits(model_path: Path, prompt: list[int]) -> torch.Tensor:
     logits = executor.compute_logits(ModelBatch(chunks=(chunk,)))
     executor.close()
     return logits[0]
+
+
+def attention_chunks(
+    shapes: Sequence[tuple[int, int]], free_blocks: list[int], block_size: int
+) -> list[SequenceChunk]:
+    """One chunk per `(start_pos, num_tokens)` in `shapes` (a decode when one token),
+    each in blocks popped from `free_blocks`: an attention test's pass."""
+    chunks = []
+    for index, (start, count) in enumerate(shapes):
+        table = [free_blocks.pop() for _ in range(-(-(start + count) // block_size))]
+        chunks.append(
+            SequenceChunk(
+                request_id=f"r{index}",
+                token_ids=[0] * count,
+                start_pos=start,
+                block_table=table,
+                sample=True,
+                sampling=SamplingParams(),
+                all_token_ids=[0] * (start + count),
+                prompt_len=start + count,
+            )
+        )
+    return chunks

@@ -30,6 +30,9 @@ def test_engine_config_validates_the_dtype() -> None:
     assert EngineConfig(dtype="bfloat16").dtype == "bfloat16"
     with pytest.raises(ValueError, match=r"EngineConfig.dtype must be .*got 'half'"):
         EngineConfig(dtype="half")  # type: ignore[arg-type]
+    assert EngineConfig().kv_cache_dtype == "auto"
+    with pytest.raises(ValueError, match=r"EngineConfig.kv_cache_dtype must be .*got 'fp8'"):
+        EngineConfig(kv_cache_dtype="fp8")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -255,7 +255,8 @@ async def test_stats_name_the_cpu_and_the_kernels(
         async with open_engine_core(build_core) as engine:
             kernels = (await engine.stats()).ranks[0].kernels
     expected = KernelPlan(**forced_kernels()).as_dict()
-    assert kernels == {"cpu": cpu_name(), **expected, "origin": "forced"}
+    # Nothing in this plan rounds, so neither does the cache.
+    assert kernels == {"cpu": cpu_name(), **expected, "origin": "forced", "kv_cache": "float32"}
 
 
 # -- the real model -----------------------------------------------------------------

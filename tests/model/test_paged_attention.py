@@ -13,12 +13,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from model_test_helpers import attention_chunks
 
-from wavecore.engine.executors.batch import SequenceChunk
 from wavecore.engine.model import batch_plan
 from wavecore.engine.model.attention import paged_attention
 from wavecore.engine.model.batch_plan import CacheGeometry, decode_groups, plan_forward
-from wavecore.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -64,22 +63,7 @@ def test_paged_attention_matches_dense_float64(
         NUM_BLOCKS + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen, dtype=torch.float64
     )
     value_pool = torch.randn(key_pool.shape, generator=gen, dtype=torch.float64)
-    chunks = []
-    for index, (start, count) in enumerate(shapes):
-        blocks = -(-(start + count) // BLOCK_SIZE)
-        table = [free_blocks.pop() for _ in range(blocks)]
-        chunks.append(
-            SequenceChunk(
-                request_id=f"r{index}",
-                token_ids=[0] * count,
-                start_pos=start,
-                block_table=table,
-                sample=True,
-                sampling=SamplingParams(),
-                all_token_ids=[0] * (start + count),
-                prompt_len=start + count,
-            )
-        )
+    chunks = attention_chunks(shapes, free_blocks, BLOCK_SIZE)
     geometry = CacheGeometry(
         block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=64, vocab_size=1
     )
