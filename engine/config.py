@@ -89,10 +89,11 @@ class EngineConfig:
     the compute dtype: "auto" is float32 on the CPU and bfloat16 (else float16) on a
     GPU; an explicit dtype, or a GPU, makes "auto" weights "float32".
     `kv_cache_dtype` is the KV cache's ("float32", "bfloat16", "float16"): "auto" is
-    bfloat16 where the "auto" weights run on a CPU with native bfloat16 (their quality
-    judged with it; decode at real contexts reads the cache more than the weights, and
-    the same `kv_cache_memory` holds twice the tokens), else the compute dtype, so an
-    explicit float32 stays exact.
+    bfloat16 where the "auto" weights' plan runs a kernel that rounds to bfloat16 (a
+    CPU with native bfloat16; the plan's quality is judged beside that cache; decode at
+    real contexts reads the cache more than the weights, and the same
+    `kv_cache_memory` holds twice the tokens), else the compute dtype, so an explicit
+    float32 stays exact.
 
     `compile_decode=True` runs every step that is one sequence's decode (batch 1)
     through a graph compiled by torch.compile (`engine/model/compiled_decode.py`):

@@ -35,9 +35,10 @@ _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": t
 
 def pick_kv_cache_dtype(spec: object, *, compute: torch.dtype, rounds_to_bf16: bool) -> torch.dtype:
     """The KV cache's dtype: `spec` as named, or for "auto" bfloat16 where the
-    projections already round activations to bfloat16 (`rounds_to_bf16`: weights "auto"
-    on a CPU with native bfloat16, whose plan and quality judgment include the cache),
-    else the compute dtype, so that float32 stays exact where it is asked for."""
+    projections already round activations to bfloat16 (`rounds_to_bf16`: the "auto"
+    weights' plan runs a rounding kernel on a CPU with native bfloat16, and judged it
+    beside this cache), else the compute dtype, so that float32 stays exact where it is
+    asked for."""
     if spec == "auto":
         return torch.bfloat16 if rounds_to_bf16 and compute == torch.float32 else compute
     if not isinstance(spec, str) or spec not in _KV_DTYPES:
@@ -48,7 +49,7 @@ def pick_kv_cache_dtype(spec: object, *, compute: torch.dtype, rounds_to_bf16: b
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """ "bfloat16" for torch.bfloat16: as `kv_cache_dtype` and the reports name it."""
+    """How `kv_cache_dtype` and the reports name `dtype`: "bfloat16", "float32"."""
     return str(dtype).removeprefix("torch.")
 
 
