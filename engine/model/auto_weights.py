@@ -7,7 +7,7 @@ reference. From it:
   projection runs that kernel score the fixed texts of `quality.py`, teacher-forced;
   only a kernel within `quality.MIN_AGREEMENT` / `MAX_PERPLEXITY_CHANGE` is admitted.
   The copy runs with the engine's KV cache dtype (bfloat16 beside these kernels on a
-  CPU with native bfloat16, `kv_cache.pick_kv_cache_dtype`), so the budget covers the
+  CPU with native bfloat16, `dtypes.pick_kv_cache_dtype`), so the budget covers the
   cache's rounding too; the reference keeps float32 throughout. Called only when the
   plan is measured, not when it comes from the cache;
 - `build(plan)` makes the final weights: every projection with the forms `plan`

@@ -50,9 +50,10 @@ from wavecore.engine.executors.batch import (
     accepted_drafts,
 )
 from wavecore.engine.model.config import ModelConfig
+from wavecore.engine.model.dtypes import DTypeSpec, dtype_name
 from wavecore.engine.model.errors import ModelLoadError
-from wavecore.engine.model.executor import DTypeSpec, ModelExecutor, WeightFormat, load_executor
-from wavecore.engine.model.kv_cache import bytes_per_block, dtype_name
+from wavecore.engine.model.executor import ModelExecutor, WeightFormat, load_executor
+from wavecore.engine.model.kv_cache import bytes_per_block
 from wavecore.engine.model.resolve import resolve_model_source
 from wavecore.engine.sampling.sampler import argmax_rows
 

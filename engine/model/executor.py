@@ -25,7 +25,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -54,16 +54,17 @@ from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.model.batch_plan import CacheGeometry, ForwardPlan, plan_forward
 from wavecore.engine.model.compiled_decode import CompiledDecode
 from wavecore.engine.model.config import ModelConfig
-from wavecore.engine.model.errors import CompileDecodeError, InvalidBatchError
-from wavecore.engine.model.kernel_choice import ROUNDING_KERNELS, KernelChoice, choose_kernels
-from wavecore.engine.model.kv_cache import (
-    KVCacheDType,
-    PagedKVCache,
-    blocks_for_budget,
-    bytes_per_block,
+from wavecore.engine.model.dtypes import (
+    DeviceSpec,
+    DTypeSpec,
     dtype_name,
+    pick_device,
+    pick_dtype,
     pick_kv_cache_dtype,
 )
+from wavecore.engine.model.errors import CompileDecodeError, InvalidBatchError
+from wavecore.engine.model.kernel_choice import ROUNDING_KERNELS, KernelChoice, choose_kernels
+from wavecore.engine.model.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
 from wavecore.engine.model.linear import can_pack_bf16
 from wavecore.engine.model.llama import LlamaModel
 from wavecore.engine.model.resolve import resolve_model_source
@@ -75,9 +76,6 @@ from wavecore.engine.model.weights import ModelWeights
 from wavecore.engine.sampling.grammar_mask import apply_grammar_bitmask
 from wavecore.engine.sampling_params import SamplingParams
 
-DeviceSpec = Literal["cpu", "cuda", "auto"] | str | torch.device
-DTypeSpec = Literal["auto", "float32", "bfloat16", "float16"]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
 
 
@@ -104,32 +102,6 @@ class TokenSampler(Protocol):
     def sample(
         self, logits: torch.Tensor, chunks: Sequence[SequenceChunk]
     ) -> tuple[SampledToken, ...]: ...
-
-
-def pick_device(device: DeviceSpec) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
-    return resolved
-
-
-def pick_dtype(device: torch.device, dtype: DTypeSpec = "auto") -> torch.dtype:
-    """The activations' and weights' dtype: `dtype` as named, or for "auto" float32 on
-    the CPU (reduced precision is hundreds of times slower on CPUs without native
-    support) and bfloat16 on a GPU that has it (else float16)."""
-    if dtype == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    if dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"dtype 'bfloat16' was asked for, but {device} does not support it")
-    return _DTYPES[dtype]
 
 
 def _use_all_cores() -> None:
@@ -159,7 +131,7 @@ class ModelExecutor:
         seed: int = 0,
         weights: WeightFormat = "auto",
         dtype: DTypeSpec = "auto",
-        kv_cache_dtype: KVCacheDType = "auto",
+        kv_cache_dtype: DTypeSpec = "auto",
         enable_lora: bool = False,
         max_loras: int = 4,
         max_lora_rank: int = 64,
@@ -175,7 +147,7 @@ class ModelExecutor:
             raise ValueError(
                 f"weights='int8' computes in float32; dtype {dtype!r} cannot go with it"
             )
-        # The KV cache takes its own dtype (`kv_cache.pick_kv_cache_dtype`): bfloat16 for
+        # The KV cache takes its own dtype (`dtypes.pick_kv_cache_dtype`): bfloat16 for
         # "auto" beside a plan that rounds to it, which is known only once the plan is.
         kv_if_rounding = pick_kv_cache_dtype(
             kv_cache_dtype,
@@ -304,7 +276,7 @@ class ModelExecutor:
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        """The KV cache's dtype (`kv_cache.pick_kv_cache_dtype`)."""
+        """The KV cache's dtype (`dtypes.pick_kv_cache_dtype`)."""
         return self._kv_dtype
 
     @property
@@ -769,7 +741,7 @@ def load_executor(
     seed: int = 0,
     weights: WeightFormat = "auto",
     dtype: DTypeSpec = "auto",
-    kv_cache_dtype: KVCacheDType = "auto",
+    kv_cache_dtype: DTypeSpec = "auto",
     enable_lora: bool = False,
     max_loras: int = 4,
     max_lora_rank: int = 64,

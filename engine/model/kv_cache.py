@@ -10,47 +10,23 @@ ever touches a block the scheduler handed out.
 The number of blocks follows from a memory budget: a byte count, or a fraction of the
 memory available on the device when the cache is sized.
 
-The cache has a dtype of its own (`pick_kv_cache_dtype`): keys and values are rounded
-to it as they are written, and attention runs in it. A decode step reads every cached
-key and value of every sequence twice (the gather of its blocks, then the fused
-attention) and writes them once, so on a CPU the cache's bytes bound batched decode
-at any real context: 32 decodes of SmolLM2 at context 400 took 131.5 ms a step with a
-float32 cache and 92.5 ms with a bfloat16 one (1.42x; 1.09x at context 100, 1.23x
-for one decode at context 1,000; the README's Xeon), and the same memory holds twice
-the tokens.
+The cache has a dtype of its own (`dtypes.pick_kv_cache_dtype`): keys and values are
+rounded to it as they are written, and attention runs in it. A decode step reads every
+cached key and value of every sequence twice (the gather of its blocks, then the fused
+attention) and writes them once, so on a CPU the cache's bytes bound batched decode at
+any real context: 32 decodes of SmolLM2 at context 400 took 131.5 ms a step with a
+float32 cache and 92.5 ms with a bfloat16 one (1.42x; 1.09x at context 100, 1.23x for
+one decode at context 1,000; the README's Xeon), and the same memory holds twice the
+tokens.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Literal
 
 import torch
 
 from wavecore.engine.model.config import ModelConfig
-
-KVCacheDType = Literal["auto", "float32", "bfloat16", "float16"]
-_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_kv_cache_dtype(spec: object, *, compute: torch.dtype, rounds_to_bf16: bool) -> torch.dtype:
-    """The KV cache's dtype: `spec` as named, or for "auto" bfloat16 where the
-    projections already round activations to bfloat16 (`rounds_to_bf16`: the "auto"
-    weights' plan runs a rounding kernel on a CPU with native bfloat16, and judged it
-    beside this cache), else the compute dtype, so that float32 stays exact where it is
-    asked for."""
-    if spec == "auto":
-        return torch.bfloat16 if rounds_to_bf16 and compute == torch.float32 else compute
-    if not isinstance(spec, str) or spec not in _KV_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {spec!r}"
-        )
-    return _KV_DTYPES[spec]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """How `kv_cache_dtype` and the reports name `dtype`: "bfloat16", "float32"."""
-    return str(dtype).removeprefix("torch.")
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -10,7 +10,7 @@ from model_test_helpers import ArgmaxSampler, GreedyRunner
 
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.model import load_executor
-from wavecore.engine.model.executor import pick_dtype
+from wavecore.engine.model.dtypes import pick_dtype
 
 CPU = torch.device("cpu")
 

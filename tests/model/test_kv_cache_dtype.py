@@ -15,8 +15,9 @@ from model_test_helpers import ArgmaxSampler, attention_chunks
 from wavecore.engine.model import auto_weights, load_executor
 from wavecore.engine.model.attention import paged_attention
 from wavecore.engine.model.batch_plan import CacheGeometry, plan_forward
+from wavecore.engine.model.dtypes import pick_kv_cache_dtype
 from wavecore.engine.model.kernel_plan import FORCE_ENV
-from wavecore.engine.model.kv_cache import PagedKVCache, pick_kv_cache_dtype
+from wavecore.engine.model.kv_cache import PagedKVCache
 
 CPU = torch.device("cpu")
 F32, BF16 = torch.float32, torch.bfloat16
