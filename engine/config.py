@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.scheduler.speculative import SpeculativeConfig
@@ -17,6 +17,7 @@ DPBackend = Literal["mp", "ray"]
 RankFailurePolicy = Literal["shrink", "fail"]
 Weights = Literal["auto", "float32", "int8"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPE_NAMES: tuple[str, ...] = get_args(DType)  # dtype and kv_cache_dtype, as the CLI offers
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -269,12 +270,12 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.weights must be 'auto', 'float32' or 'int8', got {self.weights!r}"
             )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPE_NAMES:
             raise ValueError(
                 "EngineConfig.dtype must be 'auto', 'float32', 'bfloat16' or 'float16', "
                 f"got {self.dtype!r}"
             )
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.kv_cache_dtype not in DTYPE_NAMES:
             raise ValueError(
                 "EngineConfig.kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or "
                 f"'float16', got {self.kv_cache_dtype!r}"

@@ -26,7 +26,7 @@ from rich.table import Table
 from wavecore.engine.cli.latency import RequestTimer, RunSummary
 from wavecore.engine.cli.prompts import PromptJob, UsageError, load_inputs
 from wavecore.engine.cli.results import ResultLog, open_output, print_error
-from wavecore.engine.config import EngineConfig
+from wavecore.engine.config import DTYPE_NAMES, EngineConfig
 from wavecore.engine.errors import EngineDeadError, InvalidRequestError
 from wavecore.engine.interface import Engine
 from wavecore.engine.lora.request import LoRARequest
@@ -556,16 +556,16 @@ def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGro
     )
     engine.add_argument(
         "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=DTYPE_NAMES,
         default="auto",
         help="compute dtype (auto: float32 on the CPU, bfloat16 or float16 on a GPU)",
     )
     engine.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=DTYPE_NAMES,
         default="auto",
-        help="the KV cache's dtype (auto: bfloat16 beside the auto weights on a CPU with "
-        "native bfloat16, else the compute dtype)",
+        help="the KV cache's dtype (auto: bfloat16 where the auto weights' kernels round to "
+        "it, on a CPU with native bfloat16; else the compute dtype)",
     )
     engine.add_argument(
         "--compile-decode",
@@ -685,10 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     rank.add_argument("--weights", choices=["auto", "float32", "int8"], default="auto")
     rank.add_argument("--compile-decode", action="store_true")
-    rank.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    rank.add_argument(
-        "--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto"
-    )
+    rank.add_argument("--dtype", choices=DTYPE_NAMES, default="auto")
+    rank.add_argument("--kv-cache-dtype", choices=DTYPE_NAMES, default="auto")
     rank.add_argument("--max-num-seqs", type=int, default=64)
     rank.add_argument("--kv-cache-memory", type=_memory, default=512 * 2**20)
     return parser
