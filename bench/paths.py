@@ -16,6 +16,13 @@ system alike). Roofs measured in the same run: float32 and bfloat16 matmul rates
 matrix at; a batch-1 step reads every weight once (in the form its plan runs one row
 on: `streamed_weight_bytes`), so that rate over those bytes bounds its batch-1 decode.
 
+`--emulate-cpu-without-bf16` runs everything as on the CPUs of these machines that have
+AVX-512 VNNI but no AMX or AVX-512 BF16 (the AMD EPYCs, Xeons before Sapphire Rapids),
+on one that has them: oneDNN capped at that instruction set (`ONEDNN_MAX_CPU_ISA`),
+wavecore told the CPU has no native bfloat16 (`WAVECORE_CPU_BF16=off`), and the kernel
+plans measured afresh in a cache of the run's own; clocks and memory stay this
+machine's, so read the ratios.
+
 Prints a table naming the CPU and each path's kernels, memory and load time; writes
 bench/results/paths.json. llama.cpp is not run here (see `bench/llamacpp_peer.py`).
 """
@@ -29,6 +36,7 @@ import multiprocessing
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,11 +50,14 @@ from wavecore.engine.cli.demo_prompts import DEMO_PROMPTS
 from wavecore.engine.cli.latency import RequestTimer, RunSummary
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.model import default_model_path, load_executor, resolve_model_source
+from wavecore.engine.model.linear import CPU_BF16_ENV
 from wavecore.engine.sampling.tokenizer import Tokenizer
 from wavecore.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # label: (weights, dtype)
+# What --emulate-cpu-without-bf16 sets (besides a fresh plan cache).
+EMULATED_CPU_WITHOUT_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", CPU_BF16_ENV: "off"}
 PATHS = {
     "auto": ("auto", "auto"),
     "float32": ("float32", "float32"),
@@ -227,8 +238,22 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
     parser.add_argument("--skip-peer", action="store_true", help="do not run transformers")
     parser.add_argument("--output", type=Path, default=RESULTS / "paths.json")
+    parser.add_argument(
+        "--emulate-cpu-without-bf16",
+        action="store_true",
+        help="run as on a CPU with AVX-512 VNNI and no AMX or bf16 (see above)",
+    )
     args = parser.parse_args()
+    if not args.emulate_cpu_without_bf16:
+        run(args)
+        return
+    with tempfile.TemporaryDirectory(prefix="wavecore-plans-") as plans:
+        # Set before this process's first oneDNN call; each measurement inherits them.
+        os.environ.update(EMULATED_CPU_WITHOUT_BF16, XDG_CACHE_HOME=plans)
+        run(args)
 
+
+def run(args: argparse.Namespace) -> None:
     prompts = chat_prompts(args.prompts)
     systems = [*args.paths, *([] if args.skip_peer else ["transformers"])]
     rounds = []
@@ -241,12 +266,15 @@ def main() -> None:
     rows = median_rows(rounds)
     limits = roofs()
     machine = describe()
+    cpu = f"{machine['cpu']}, {machine['cpus']} CPUs"
+    if args.emulate_cpu_without_bf16:
+        machine["emulated"] = json.dumps(EMULATED_CPU_WITHOUT_BF16)
+        cpu += f", emulating a CPU without AMX or bf16 ({machine['emulated']})"
 
     print()
     print(
-        f"{machine['cpu']}, {machine['cpus']} CPUs; median of {args.rounds} rounds; "
-        f"{args.prompts} chat prompts x up to {args.new_tokens} tokens; batch 1: "
-        f"{args.new_tokens} tokens"
+        f"{cpu}; median of {args.rounds} rounds; {args.prompts} chat prompts x up to "
+        f"{args.new_tokens} tokens; batch 1: {args.new_tokens} tokens"
     )
     print(
         f"roofs: float32 matmul {limits['float32_matmul_gflops']:.0f} GFLOP/s, bfloat16 "

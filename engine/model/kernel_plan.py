@@ -21,8 +21,8 @@ Kernels (`linear.Projection` runs them):
   (a GGUF's Q4_1 blocks), else 8 bits per channel, bfloat16 activations
   (`woq_linear.WeightOnlyProjection`).
 
-With `weights="auto"` one plan may mix all five (`path_choice.py`): each class runs
-the fastest within the accuracy budget, so the plan names the dtype that ran too.
+With `weights="auto"` one plan may mix all five (`kernel_choice.py`): each class runs
+the fastest within the accuracy budget (`quality.py`), so the plan names the dtype that ran too.
 
 `WAVECORE_KERNELS` forces kernels instead of measuring them (tests, benchmarks): one
 name for every class ("blas"), or `class=kernel` pairs ("decode=blas,large=onednn");

@@ -27,12 +27,13 @@ the residual stream. Which kernel runs depends on the rows of `x`, by the projec
 A projection keeps each form its plan names and no other: a plan that mixes kernels
 keeps several (more memory, bought for speed, and only when measured faster). The
 float32 kernels differ only in the order of accumulation; "onednn-bf16", "fbgemm"
-and "woq" round, and are chosen only within an accuracy budget (`path_choice.py`).
+and "woq" round, and are chosen only within an accuracy budget (`quality.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -59,10 +60,22 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+# "off" makes `native_bf16` answer no: a CPU whose flags claim bfloat16 that its
+# hypervisor does not deliver at speed, or the plan a CPU without it would choose,
+# measured on one that has it (bench/paths.py --emulate-cpu-without-bf16).
+CPU_BF16_ENV = "WAVECORE_CPU_BF16"
+
+
 @cache
 def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AMX or AVX-512 BF16, by the flags
-    of /proc/cpuinfo) and oneDNN can use it: the only CPUs where bf16 is not slower."""
+    of /proc/cpuinfo) and oneDNN can use it: the only CPUs where bf16 is not slower.
+    Read once per process; `WAVECORE_CPU_BF16=off` says no whatever the flags."""
+    setting = os.environ.get(CPU_BF16_ENV, "")
+    if setting not in ("", "off"):
+        raise ValueError(f"{CPU_BF16_ENV} must be 'off' or unset, got {setting!r}")
+    if setting == "off":
+        return False
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -158,6 +158,25 @@ def test_no_bf16_candidate_without_native_bf16(monkeypatch: pytest.MonkeyPatch) 
     assert set(float32) <= {"blas", "onednn"}
 
 
+def test_cpu_bf16_off_takes_bf16_out_of_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`WAVECORE_CPU_BF16=off`: no native bfloat16 whatever the CPU's flags, so no
+    bfloat16 kernel and (the executor's `rounds_to_bf16`) no bfloat16 KV cache by
+    default; any other value is refused by name."""
+    try:
+        monkeypatch.setenv(linear.CPU_BF16_ENV, "off")
+        linear.native_bf16.cache_clear()
+        assert not linear.native_bf16()
+        assert not linear.can_pack_bf16(CPU, torch.float32)
+        assert "onednn-bf16" not in kernel_choice.candidate_kernels(CPU, torch.float32, "auto")
+        monkeypatch.setenv(linear.CPU_BF16_ENV, "on")
+        linear.native_bf16.cache_clear()
+        with pytest.raises(ValueError, match="WAVECORE_CPU_BF16 must be 'off' or unset, got 'on'"):
+            linear.native_bf16()
+    finally:
+        monkeypatch.delenv(linear.CPU_BF16_ENV, raising=False)
+        linear.native_bf16.cache_clear()
+
+
 @pytest.mark.usefixtures("needs_bf16_kernel")
 def test_a_mixed_projection_runs_each_class_on_its_form() -> None:
     torch.manual_seed(0)
