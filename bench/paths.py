@@ -56,14 +56,14 @@ from wavecore.engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # label: (weights, dtype)
-# What --emulate-cpu-without-bf16 sets (besides a fresh plan cache).
-EMULATED_CPU_WITHOUT_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", CPU_BF16_ENV: "off"}
 PATHS = {
     "auto": ("auto", "auto"),
     "float32": ("float32", "float32"),
     "int8": ("int8", "auto"),
     "bfloat16": ("float32", "bfloat16"),
 }
+# What --emulate-cpu-without-bf16 sets (besides a fresh plan cache).
+EMULATED_CPU_WITHOUT_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", CPU_BF16_ENV: "off"}
 
 
 def chat_prompts(count: int) -> list[list[int]]:
