@@ -108,10 +108,18 @@ class CompiledDecode:
         """`model.forward(plan, cache)` through the compiled graph; `handles(plan)` must hold."""
         marked = self._marked
         if marked is None or marked[0]() is not model or marked[1]() is not cache:
-            seen: set[int] = set()
-            _mark_static(model.weights, seen)
-            _mark_static([model.rotary.cos, model.rotary.signed_sin], seen)
-            _mark_static([cache.keys, cache.values], seen)
+            # One root for the whole walk: `seen` holds ids, and a temporary root freed
+            # between two walks could lend its id to the next one's, which would then be
+            # skipped (the cache's pools were, once: left dynamic, every view of them
+            # cost the trace seconds of symbolic shape work).
+            roots = [
+                model.weights,
+                model.rotary.cos,
+                model.rotary.signed_sin,
+                cache.keys,
+                cache.values,
+            ]
+            _mark_static(roots, set())
             self._marked = (weakref.ref(model), weakref.ref(cache))
         decode = plan.attention.decodes[0]
         table = decode.block_tables

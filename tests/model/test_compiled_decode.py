@@ -98,6 +98,19 @@ def test_weights_and_cache_renewed_by_a_deep_sleep_reuse_the_graph(
     assert graphs() == before
 
 
+def test_the_weights_and_every_cache_pool_are_compiled_in_as_static(
+    compiled: ModelExecutor,
+) -> None:
+    """Rule 3. A pool left dynamic once (its marking skipped when a freed temporary's id
+    was reused) made every view of it seconds of symbolic shape work: a compile of
+    SmolLM2 took 139 s instead of 22."""
+    model, cache = compiled._ready()
+    tensors = [*cache.keys, *cache.values, model.rotary.cos, model.weights.final_norm]
+    tensors += [layer.attn_norm for layer in model.weights.layers]
+    for tensor in tensors:
+        assert getattr(tensor, "_dynamo_static_indices", None) == set(range(tensor.dim()))
+
+
 def test_the_executor_says_it_compiles(compiled: ModelExecutor, eager: ModelExecutor) -> None:
     assert compiled.compiles_decode and not eager.compiles_decode
 
