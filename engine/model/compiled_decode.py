@@ -20,7 +20,7 @@ Theory of operation:
    other by value ("duck" sizing off), so a table as long as some weight's dimension
    compiles nothing new. Python floats (the norms' epsilon, attention's scale: the
    model's constants) are compiled in, not traced as inputs, which spared a second
-   trace of the whole model (SmolLM2's compile at load 22 -> 13 s).
+   trace of the whole model (SmolLM2's compile at load 22 -> 14 s).
 3. The model (weights, rotary tables) and the KV cache are arguments, each tensor
    marked static: their shapes are compiled in (the product kernels need them fixed),
    and weights or a cache of the same shapes (after a weight update or a wake-up) are
