@@ -15,17 +15,21 @@ product itself (float32 BLAS), and, for one adapter on a CPU with native bfloat1
 delta in bfloat16 through the base's oneDNN kernel. On a CUDA device too when one is
 present (bfloat16).
 
+Parts 2 and 3 take random adapters of two kinds (`ADAPTER_KINDS`): rank 16 on every
+projection (q, k, v, o, gate, up, down: the costliest layout an adapter has here), and
+PEFT's default for Llama models (`LoraConfig()`: rank 8 on q_proj and v_proj).
+
 Part 2, one decode step of the executor (the real model as `open_engine` loads it by
-default): 32 decodes at context 100 of the base model, all on one adapter, and spread
-over 4 adapters interleaved row by row, the three steps interleaved; median
-milliseconds and ratio to the base step.
+default): 32 decodes at context 100 of the base model, and for each kind all on one
+adapter and spread over 4 adapters interleaved row by row, the five steps interleaved;
+median milliseconds and ratio to the base step.
 
 Part 3, end to end (one rank in this process, the same model, greedy, `ignore_eos`):
 32 concurrent requests of the same prompts, in the same engine: the base model only,
-every request on one adapter, and spread over 4 adapters (`max_loras=4`), the runs
-interleaved (each repeat starting one run later); throughput in generated tokens per
-second, its ratio to the base model's, and the load average (1 minute) after each run.
-The adapters are random, rank 16, on every projection.
+and for each kind every request on one adapter and spread over 4 adapters
+(`max_loras=8`, so that both kinds' adapters stay resident), the runs interleaved (each
+repeat starting one run later); throughput in generated tokens per second, its ratio to
+the base model's, and the load average (1 minute) after each run.
 
 Usage: python bench/lora.py [--quick] [--skip-engine]
 """
@@ -227,8 +231,22 @@ def _bf16_delta_ms(
     return _timed(bf16, repeats, x.device)
 
 
-def write_adapter(directory: Path, seed: int, config: dict[str, int]) -> Path:
-    """A random rank-16 adapter on every projection, in PEFT's format."""
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# name: (rank, target modules)
+ADAPTER_KINDS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "every projection, rank 16": (RANK, PROJECTIONS),
+    "q and v, rank 8 (PEFT's default)": (8, ("q_proj", "v_proj")),
+}
+
+
+def write_adapter(
+    directory: Path,
+    seed: int,
+    config: dict[str, int],
+    rank: int = RANK,
+    targets: tuple[str, ...] = PROJECTIONS,
+) -> Path:
+    """A random adapter of `rank` on `targets`, in PEFT's format."""
     gen = torch.Generator().manual_seed(seed)
     hidden, inter, q, kv = config["hidden"], config["inter"], config["q"], config["kv"]
     shapes = {
@@ -242,14 +260,20 @@ def write_adapter(directory: Path, seed: int, config: dict[str, int]) -> Path:
     }
     tensors = {}
     for layer in range(config["layers"]):
-        for target, (fan_in, fan_out) in shapes.items():
+        for target in targets:
+            fan_in, fan_out = shapes[target]
             block = "self_attn" if target[0] in "qkvo" else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
-            a = torch.randn(RANK, fan_in, generator=gen) / fan_in**0.5
+            a = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
             tensors[f"{prefix}.lora_A.weight"] = a
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=gen) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
     directory.mkdir(parents=True)
-    settings = {"peft_type": "LORA", "r": RANK, "lora_alpha": 32, "target_modules": list(shapes)}
+    settings = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(targets),
+    }
     (directory / "adapter_config.json").write_text(json.dumps(settings))
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     return directory
@@ -282,27 +306,42 @@ def _decode_batch(loras: list[str | None], block_size: int) -> ModelBatch:
     return ModelBatch(chunks=tuple(chunks))
 
 
-def executor_step(adapters: list[LoRARequest], quick: bool) -> list[dict[str, Any]]:
+def _runs(kinds: dict[str, list[str]], count: int) -> dict[str, list[str | None]]:
+    """The adapter of each of `count` requests (or decodes) per run: the base model, then
+    for each kind all on its first adapter and spread over its adapters."""
+    runs: dict[str, list[str | None]] = {"base": [None] * count}
+    for kind, names in kinds.items():
+        runs[f"{kind}: 1 adapter"] = [names[0]] * count
+        runs[f"{kind}: {len(names)} adapters"] = [names[i % len(names)] for i in range(count)]
+    return runs
+
+
+def _rotated(names: list[str], repeat: int) -> list[str]:
+    """Each repeat starts one run later: over as many repeats as runs, every run holds
+    every place once, so a load that rises or falls through the bench (a shared
+    machine) hits every run alike."""
+    shift = repeat % len(names)
+    return names[shift:] + names[:shift]
+
+
+def executor_step(kinds: dict[str, list[LoRARequest]], quick: bool) -> list[dict[str, Any]]:
     """Part 2: median ms of one decode step of `STEP_DECODES`, interleaved."""
+    adapters = [adapter for each in kinds.values() for adapter in each]
     executor = load_executor(None, enable_lora=True, max_loras=len(adapters))
     try:
         for adapter in adapters:
             executor.add_lora(adapter)
-        names = [adapter.name for adapter in adapters]
+        names = {kind: [adapter.name for adapter in each] for kind, each in kinds.items()}
         batches = {
-            "base": _decode_batch([None] * STEP_DECODES, executor.block_size),
-            "1 adapter": _decode_batch([names[0]] * STEP_DECODES, executor.block_size),
-            "4 adapters": _decode_batch(
-                [names[row % len(names)] for row in range(STEP_DECODES)], executor.block_size
-            ),
+            name: _decode_batch(loras, executor.block_size)
+            for name, loras in _runs(names, STEP_DECODES).items()
         }
         for batch in batches.values():
             for _ in range(3):  # warm-up: kernels, the stacked adapters
                 executor.execute(batch)
         times: dict[str, list[float]] = {name: [] for name in batches}
-        names = list(batches)
-        for repeat in range(6 if quick else 30):
-            for name in names[repeat % 3 :] + names[: repeat % 3]:  # as in `end_to_end`
+        for repeat in range(2 * len(batches) if quick else 6 * len(batches)):
+            for name in _rotated(list(batches), repeat):
                 batch = batches[name]
                 start = time.perf_counter()
                 executor.execute(batch)
@@ -341,28 +380,25 @@ async def _throughput(engine: Any, loras: list[str | None], max_tokens: int) -> 
     return produced / (time.perf_counter() - start)
 
 
-async def end_to_end(modules: tuple[LoRARequest, ...], quick: bool) -> list[dict[str, Any]]:
-    """Part 3: tokens per second of each run, the runs interleaved, median of 3."""
-    requests, max_tokens, repeats = (32, 16, 1) if quick else (32, 64, 3)
-    config = EngineConfig(enable_lora=True, max_loras=4, lora_modules=modules, max_num_seqs=64)
-    runs = {
-        "base": [None] * requests,
-        "1 adapter": [modules[0].name] * requests,
-        "4 adapters": [modules[i % 4].name for i in range(requests)],
-    }
+async def end_to_end(kinds: dict[str, list[LoRARequest]], quick: bool) -> list[dict[str, Any]]:
+    """Part 3: tokens per second of each run, the runs interleaved, the median over as
+    many repeats as runs (one with `--quick`)."""
+    modules = tuple(adapter for each in kinds.values() for adapter in each)
+    names = {kind: [adapter.name for adapter in each] for kind, each in kinds.items()}
+    requests, max_tokens = (32, 16) if quick else (32, 64)
+    runs = _runs(names, requests)
+    repeats = 1 if quick else len(runs)
+    config = EngineConfig(
+        enable_lora=True, max_loras=len(modules), lora_modules=modules, max_num_seqs=64
+    )
     async with open_engine(config) as engine:
         await _throughput(engine, [None] * 8, 8)  # warm-up
         figures: dict[str, list[float]] = {name: [] for name in runs}
         loads: dict[str, list[float]] = {name: [] for name in runs}
-        names = list(runs)
         for repeat in range(repeats):
-            # Interleaved, each repeat starting one run later (ABC, BCA, CAB): over
-            # three repeats every run holds every place once, so a load that rises or
-            # falls through the bench (a shared machine) hits every run alike.
-            for name in names[repeat % 3 :] + names[: repeat % 3]:
-                loras = runs[name]
+            for name in _rotated(list(runs), repeat):
                 await engine.reset_prefix_cache()
-                figures[name].append(await _throughput(engine, loras, max_tokens))
+                figures[name].append(await _throughput(engine, runs[name], max_tokens))
                 loads[name].append(os.getloadavg()[0])
         kernels = (await engine.stats()).ranks[0].kernels
     base = statistics.median(figures["base"])
@@ -411,27 +447,34 @@ def main() -> None:
         )
     if not args.skip_engine:
         with tempfile.TemporaryDirectory() as root:
-            modules = tuple(
-                LoRARequest(f"adapter-{i}", str(write_adapter(Path(root) / str(i), i, SMOLLM)))
-                for i in range(4)
-            )
-            steps = on_a_thread_of_its_own(executor_step, list(modules), args.quick)
+            kinds = {
+                kind: [
+                    LoRARequest(
+                        f"{'all' if len(targets) == len(PROJECTIONS) else 'qv'}{rank}-{i}",
+                        str(write_adapter(Path(root) / f"{kind}-{i}", i, SMOLLM, rank, targets)),
+                    )
+                    for i in range(4)
+                ]
+                for kind, (rank, targets) in ADAPTER_KINDS.items()
+            }
+            steps = on_a_thread_of_its_own(executor_step, kinds, args.quick)
             result["executor_step"] = steps
             print(f"\nOne executor step of {STEP_DECODES} decodes (interleaved, median)")
-            print(f"{'step':<11} {'ms':>8} {'ratio':>6} {'load':>5}")
+            print(f"{'step':<48} {'ms':>8} {'ratio':>6} {'load':>5}")
             for row in steps:
                 print(
-                    f"{row['step']:<11} {row['ms']:>8.1f} {row['ratio_to_base']:>6.2f} "
+                    f"{row['step']:<48} {row['ms']:>8.1f} {row['ratio_to_base']:>6.2f} "
                     f"{row['load_average']:>5.2f}"
                 )
-            runs = anyio.run(end_to_end, modules, args.quick)
+            runs = anyio.run(end_to_end, kinds, args.quick)
         result["end_to_end"] = runs
         print("\nEnd to end, one rank, greedy, 32 concurrent requests (same engine)")
-        print(f"{'run':<11} {'tok/s':>8} {'ratio':>6}  load after each run")
+        print(f"{'run':<48} {'tok/s':>8} {'ratio':>6}  load after each run")
         for row in runs:
             loads = " ".join(f"{load:.1f}" for load in row["load_averages"])
             print(
-                f"{row['run']:<11} {row['tokens_per_s']:>8.1f} {row['ratio_to_base']:>6.2f}  {loads}"
+                f"{row['run']:<48} {row['tokens_per_s']:>8.1f} {row['ratio_to_base']:>6.2f}  "
+                f"{loads}"
             )
         print(f"kernels: {runs[0]['kernels']}")
     RESULTS.parent.mkdir(exist_ok=True)
