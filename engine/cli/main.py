@@ -570,7 +570,7 @@ def _add_engine_flags(command: argparse.ArgumentParser) -> argparse._ArgumentGro
     engine.add_argument(
         "--compile-decode",
         action="store_true",
-        help="batch-1 decodes through a torch.compile'd graph (~1.2x on a CPU; compiles "
+        help="batch-1 decodes through a torch.compile'd graph (~1.3x on a CPU; compiles "
         "at load, needs a C++ compiler)",
     )
     engine.add_argument("--max-num-seqs", type=int, default=64)
