@@ -42,6 +42,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -232,11 +233,20 @@ def _bf16_delta_ms(
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# name: (rank, target modules)
-ADAPTER_KINDS: dict[str, tuple[int, tuple[str, ...]]] = {
-    "every projection, rank 16": (RANK, PROJECTIONS),
-    "q and v, rank 8 (PEFT's default)": (8, ("q_proj", "v_proj")),
-}
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterKind:
+    label: str  # in the tables
+    prefix: str  # of its adapters' names
+    rank: int
+    targets: tuple[str, ...]
+
+
+ADAPTER_KINDS = (
+    AdapterKind("every projection, rank 16", "all16", RANK, PROJECTIONS),
+    AdapterKind("q and v, rank 8 (PEFT's default)", "qv8", 8, ("q_proj", "v_proj")),
+)
 
 
 def write_adapter(
@@ -448,14 +458,22 @@ def main() -> None:
     if not args.skip_engine:
         with tempfile.TemporaryDirectory() as root:
             kinds = {
-                kind: [
+                kind.label: [
                     LoRARequest(
-                        f"{'all' if len(targets) == len(PROJECTIONS) else 'qv'}{rank}-{i}",
-                        str(write_adapter(Path(root) / f"{kind}-{i}", i, SMOLLM, rank, targets)),
+                        f"{kind.prefix}-{i}",
+                        str(
+                            write_adapter(
+                                Path(root) / f"{kind.prefix}-{i}",
+                                i,
+                                SMOLLM,
+                                kind.rank,
+                                kind.targets,
+                            )
+                        ),
                     )
                     for i in range(4)
                 ]
-                for kind, (rank, targets) in ADAPTER_KINDS.items()
+                for kind in ADAPTER_KINDS
             }
             steps = on_a_thread_of_its_own(executor_step, kinds, args.quick)
             result["executor_step"] = steps
