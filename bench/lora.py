@@ -10,10 +10,12 @@ the block-diagonal `b` wavecore used before: one product, zeros between the targ
 grouped by a gather in adapter order (one
 `index_select`, two products per adapter, one `index_add_`), and a gather-based
 batched product (each token's own `a` and `b` gathered from the stacked adapters, then
-one `bmm` per side for all tokens, as punica's BGMV does on GPUs); beside the base
-product itself (float32 BLAS), and, for one adapter on a CPU with native bfloat16, the
-delta in bfloat16 through the base's oneDNN kernel. On a CUDA device too when one is
-present (bfloat16).
+one `bmm` per side for all tokens, as punica's BGMV does on GPUs), and wavecore's C
+kernel (`lora/native.py`: one call for every row, each against its own adapter only,
+with the adapter's weights in float32 and in bfloat16); beside the base product itself
+(float32 BLAS), and, for one adapter on a CPU with native bfloat16, the delta in
+bfloat16 through the base's oneDNN kernel. On a CUDA device too when one is present
+(bfloat16).
 
 Parts 2 and 3 take random adapters of two kinds (`ADAPTER_KINDS`): rank 16 on every
 projection (q, k, v, o, gate, up, down: the costliest layout an adapter has here), and
@@ -21,8 +23,10 @@ PEFT's default for Llama models (`LoraConfig()`: rank 8 on q_proj and v_proj).
 
 Part 2, one decode step of the executor (the real model as `open_engine` loads it by
 default): 32 decodes at context 100 of the base model, and for each kind all on one
-adapter and spread over 4 adapters interleaved row by row, the five steps interleaved;
-median milliseconds and ratio to the base step.
+adapter and spread over 4 adapters interleaved row by row, on each path of the deltas
+(two executors: the C kernel, the default where it builds, and torch's products,
+`WAVECORE_LORA_KERNEL=torch`), every step interleaved; median milliseconds and ratio
+to the same path's base step.
 
 Part 3, end to end (one rank in this process, the same model, greedy, `ignore_eos`):
 32 concurrent requests of the same prompts, in the same engine: the base model only,
@@ -54,6 +58,7 @@ from safetensors.torch import save_file
 from wavecore.engine.api import open_engine
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.executors.batch import ModelBatch, SequenceChunk
+from wavecore.engine.lora import native_build
 from wavecore.engine.lora.adapters import (
     Adapter,
     AdapterLayer,
@@ -62,8 +67,10 @@ from wavecore.engine.lora.adapters import (
     TargetSpan,
 )
 from wavecore.engine.lora.compute import LoRARows, MixedDecodes, add_lora
+from wavecore.engine.lora.native import NativeKernel, kernel_function
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.model import load_executor
+from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.linear import can_pack_bf16, pack_bf16, packed_product
 from wavecore.engine.sampling_params import SamplingParams
 
@@ -176,6 +183,11 @@ def _delta_case(
     stacked_b = torch.stack(dense_b)  # [K, R, out]
     index = owner.to(device)
     out = torch.zeros(tokens, QKV_OUT, device=device, dtype=dtype)
+    native = {
+        weights: _native_delta(adapters, owner, x, out, weights)
+        for weights in (torch.float32, torch.bfloat16)
+        if device.type == "cpu"
+    }
 
     def wavecore() -> None:
         add_lora(out, x, rows, 0, "qkv")
@@ -212,7 +224,49 @@ def _delta_case(
         "bf16_onednn_ms": (
             _bf16_delta_ms(x, deltas[0].a, dense_b[0], out, repeats) if count == 1 else None
         ),
+        **{
+            f"native_{name}_ms": _timed(run, repeats, device) if run is not None else None
+            for name, run in (
+                ("f32", native.get(torch.float32)),
+                ("bf16", native.get(torch.bfloat16)),
+            )
+        },
     }
+
+
+# SmolLM2-135M's shapes, for the kernel's checks (one layer: part 1's adapters have one).
+SMOLLM_ONE_LAYER = ModelConfig(
+    architecture="llama",
+    vocab_size=49152,
+    hidden_size=HIDDEN,
+    intermediate_size=1536,
+    num_layers=1,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    context_length=8192,
+    tie_word_embeddings=True,
+    qkv_bias=False,
+)
+
+
+def _native_delta(
+    adapters: list[Adapter],
+    owner: torch.Tensor,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    weights: torch.dtype,
+) -> Any:
+    """wavecore's C kernel on the same rows (`lora/native.py`), adapter weights in
+    `weights`; None where it did not build."""
+    build = native_build.delta_kernel()
+    if build.library is None:
+        return None
+    kernel = NativeKernel(kernel_function(build.library, weights), weights, SMOLLM_ONE_LAYER)
+    rows = kernel.rows([kernel.adapter(adapter) for adapter in adapters], owner)
+    return lambda: rows.add(out, x, 0, "qkv")
 
 
 def _bf16_delta_ms(
@@ -289,6 +343,7 @@ def write_adapter(
     return directory
 
 
+DELTA_PATHS = ("native", "torch")  # `WAVECORE_LORA_KERNEL`'s two values
 SMOLLM = {"hidden": 576, "inter": 1536, "q": 576, "kv": 192, "layers": 30}
 STEP_DECODES, STEP_CONTEXT = 32, 100
 
@@ -334,42 +389,60 @@ def _rotated(names: list[str], repeat: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
-def executor_step(kinds: dict[str, list[LoRARequest]], quick: bool) -> list[dict[str, Any]]:
-    """Part 2: median ms of one decode step of `STEP_DECODES`, interleaved."""
-    adapters = [adapter for each in kinds.values() for adapter in each]
-    executor = load_executor(None, enable_lora=True, max_loras=len(adapters))
+def _executor(kernel: str, max_loras: int) -> Any:
+    """An executor whose deltas run on `kernel`: "native" (the C kernel) or "torch"
+    (torch's products), as `WAVECORE_LORA_KERNEL` says at its load."""
+    saved = os.environ.get(native_build.KERNEL_ENV)
+    os.environ[native_build.KERNEL_ENV] = kernel
+    native_build.delta_kernel.cache_clear()
     try:
-        for adapter in adapters:
-            executor.add_lora(adapter)
-        names = {kind: [adapter.name for adapter in each] for kind, each in kinds.items()}
-        batches = {
-            name: _decode_batch(loras, executor.block_size)
-            for name, loras in _runs(names, STEP_DECODES).items()
-        }
-        for batch in batches.values():
-            for _ in range(3):  # warm-up: kernels, the stacked adapters
-                executor.execute(batch)
-        times: dict[str, list[float]] = {name: [] for name in batches}
-        for repeat in range(2 * len(batches) if quick else 6 * len(batches)):
-            for name in _rotated(list(batches), repeat):
-                batch = batches[name]
-                start = time.perf_counter()
-                executor.execute(batch)
-                times[name].append((time.perf_counter() - start) * 1000)
-        kernels = executor.path_report()
+        return load_executor(None, enable_lora=True, max_loras=max_loras)
     finally:
-        executor.close()
-    base = statistics.median(times["base"])
+        if saved is None:
+            del os.environ[native_build.KERNEL_ENV]
+        else:
+            os.environ[native_build.KERNEL_ENV] = saved
+        native_build.delta_kernel.cache_clear()
+
+
+def executor_step(kinds: dict[str, list[LoRARequest]], quick: bool) -> list[dict[str, Any]]:
+    """Part 2: median ms of one decode step of `STEP_DECODES`, on each delta path (two
+    executors of the same model), every run and path interleaved."""
+    adapters = [adapter for each in kinds.values() for adapter in each]
+    executors = {path: _executor(path, len(adapters)) for path in DELTA_PATHS}
+    try:
+        names = {kind: [adapter.name for adapter in each] for kind, each in kinds.items()}
+        runs = _runs(names, STEP_DECODES)
+        batches = {}
+        for path, executor in executors.items():
+            for adapter in adapters:
+                executor.add_lora(adapter)
+            for name, loras in runs.items():
+                batches[path, name] = _decode_batch(loras, executor.block_size)
+                for _ in range(3):  # warm-up: kernels, the stacked adapters
+                    executor.execute(batches[path, name])
+        times: dict[tuple[str, str], list[float]] = {key: [] for key in batches}
+        for repeat in range(2 * len(runs) if quick else 6 * len(runs)):
+            for name in _rotated(list(runs), repeat):
+                for path in _rotated(list(DELTA_PATHS), repeat):
+                    start = time.perf_counter()
+                    executors[path].execute(batches[path, name])
+                    times[path, name].append((time.perf_counter() - start) * 1000)
+        kernels = {path: executor.path_report() for path, executor in executors.items()}
+    finally:
+        for executor in executors.values():
+            executor.close()
     return [
         {
             "step": name,
+            "path": path,
             "decodes": STEP_DECODES,
             "ms": statistics.median(values),
-            "ratio_to_base": base / statistics.median(values),
+            "ratio_to_base": statistics.median(times[path, "base"]) / statistics.median(values),
             "load_average": os.getloadavg()[0],
-            "kernels": kernels,
+            "kernels": kernels[path],
         }
-        for name, values in times.items()
+        for (path, name), values in times.items()
     ]
 
 
@@ -446,14 +519,18 @@ def main() -> None:
     )
     print(f"{'device':<6} {'tokens':>6} {'adapters':>8} {'base ms':>8} {'wavecore ms':>11} "
           f"{'block-diag b ms':>15} {'sorted-gather ms':>16} {'gather-bmm ms':>13} "
-          f"{'bf16 oneDNN ms':>14}")  # fmt: skip
+          f"{'bf16 oneDNN ms':>14} {'native f32 ms':>13} {'native bf16 ms':>14}")  # fmt: skip
     for row in kernels:
-        bf16 = "-" if row["bf16_onednn_ms"] is None else f"{row['bf16_onednn_ms']:.3f}"
-        dense = "-" if row["block_diagonal_ms"] is None else f"{row['block_diagonal_ms']:.3f}"
+        shown = {
+            key: "-" if row[key] is None else f"{row[key]:.3f}"
+            for key in ("bf16_onednn_ms", "block_diagonal_ms", "native_f32_ms", "native_bf16_ms")
+        }
         print(
             f"{row['device']:<6} {row['tokens']:>6} {row['adapters']:>8} {row['base_ms']:>8.3f} "
-            f"{row['wavecore_ms']:>11.3f} {dense:>15} {row['sorted_gather_ms']:>16.3f} "
-            f"{row['gather_bmm_ms']:>13.3f} {bf16:>14}"
+            f"{row['wavecore_ms']:>11.3f} {shown['block_diagonal_ms']:>15} "
+            f"{row['sorted_gather_ms']:>16.3f} {row['gather_bmm_ms']:>13.3f} "
+            f"{shown['bf16_onednn_ms']:>14} {shown['native_f32_ms']:>13} "
+            f"{shown['native_bf16_ms']:>14}"
         )
     if not args.skip_engine:
         with tempfile.TemporaryDirectory() as root:
@@ -478,12 +555,15 @@ def main() -> None:
             steps = on_a_thread_of_its_own(executor_step, kinds, args.quick)
             result["executor_step"] = steps
             print(f"\nOne executor step of {STEP_DECODES} decodes (interleaved, median)")
-            print(f"{'step':<48} {'ms':>8} {'ratio':>6} {'load':>5}")
+            print(f"{'step':<48} {'deltas':<7} {'ms':>8} {'ratio':>6} {'load':>5}")
             for row in steps:
                 print(
-                    f"{row['step']:<48} {row['ms']:>8.1f} {row['ratio_to_base']:>6.2f} "
-                    f"{row['load_average']:>5.2f}"
+                    f"{row['step']:<48} {row['path']:<7} {row['ms']:>8.1f} "
+                    f"{row['ratio_to_base']:>6.2f} {row['load_average']:>5.2f}"
                 )
+            for path in DELTA_PATHS:
+                report = next(row["kernels"] for row in steps if row["path"] == path)
+                print(f"{path}: LoRA deltas by {report.get('lora')}")
             runs = anyio.run(end_to_end, kinds, args.quick)
         result["end_to_end"] = runs
         print("\nEnd to end, one rank, greedy, 32 concurrent requests (same engine)")

@@ -37,6 +37,18 @@ def test_every_package_folder_is_declared() -> None:
     assert found == _declared_packages()
 
 
+def test_every_file_the_code_reads_is_package_data() -> None:
+    """Non-Python files inside a package (the LoRA kernel's C source) install with it."""
+    declared = _SETUPTOOLS.get("package-data", {})
+    for folder, dotted in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.c"):
+            package = ".".join((dotted, *path.parent.relative_to(ROOT / folder).parts))
+            patterns = declared.get(package, [])
+            assert any(path.match(pattern) for pattern in patterns), (
+                f"{path.relative_to(ROOT)} is not in pyproject's package-data for {package}"
+            )
+
+
 def test_statemachines_are_pure() -> None:
     forbidden = {"anyio", "trio", "asyncio", "pynng", "cbor2", "torch", "numpy", "wavecore"}
     for path in (ROOT / "statemachines").rglob("*.py"):

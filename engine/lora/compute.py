@@ -14,6 +14,11 @@ it. bench/lora.py measured these against a gather in adapter order and a gather-
 batched product (each token's own `a` and `b` gathered, one `bmm` for all tokens),
 and the README says what won where. Rows of the base model belong to no group and cost
 nothing.
+
+Where the C kernel is built (`native.py`: float32 rows on a CPU with a C compiler),
+every adapter row of a step goes through it instead, one call per product whatever
+the runs and mixes (`LoRARows.native`); these paths remain for the GPU, other dtypes,
+and machines without a compiler.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from wavecore.engine.lora.adapters import Adapter, FusedDelta, StackedAdapters, TargetSpan
+from wavecore.engine.lora.native import NativeRows
 
 
 class MixedDecodes:
@@ -48,14 +54,19 @@ class MixedDecodes:
 @dataclass(frozen=True, slots=True)
 class LoRARows:
     """A step's rows per adapter: contiguous `runs` `(adapter, start, end)`, and the
-    decodes when they mix adapters (`mixed`)."""
+    decodes when they mix adapters (`mixed`); or every row through the C kernel
+    (`native`, which then holds them all)."""
 
     runs: tuple[tuple[Adapter, int, int], ...]
     mixed: MixedDecodes | None = None
+    native: NativeRows | None = None
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, lora: LoRARows, layer: int, product: str) -> None:
     """`out[rows] += (x[rows] @ a) @ b` for each adapter's `product` delta at `layer`."""
+    if lora.native is not None:
+        lora.native.add(out, x, layer, product)
+        return
     for adapter, start, end in lora.runs:
         delta: FusedDelta | None = getattr(adapter.layers[layer], product)
         if delta is not None:

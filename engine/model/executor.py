@@ -48,9 +48,10 @@ from wavecore.engine.executors.batch import (
 from wavecore.engine.executors.errors import ExecutorAsleepError, ExecutorClosedError
 from wavecore.engine.executors.rpc import remote_callable
 from wavecore.engine.executors.weight_specs import check_update
-from wavecore.engine.lora.adapters import LoRAStore
 from wavecore.engine.lora.compute import LoRARows, MixedDecodes
+from wavecore.engine.lora.native import native_kernel, step_owner
 from wavecore.engine.lora.request import LoRARequest
+from wavecore.engine.lora.store import LoRAStore
 from wavecore.engine.model.batch_plan import CacheGeometry, ForwardPlan, plan_forward
 from wavecore.engine.model.compiled_decode import CompiledDecode
 from wavecore.engine.model.config import ModelConfig
@@ -211,17 +212,25 @@ class ModelExecutor:
 
             sampler = Sampler(source.eos_token_id, seed=seed)
         self._sampler = sampler
-        self._loras = (
-            LoRAStore(
+        self._loras: LoRAStore | None = None
+        self._lora_path = ""
+        if enable_lora:
+            # The deltas' weights round as the base's do: bfloat16 beside a plan that
+            # rounds to it (half the bytes), float32 where the base is exact.
+            native, self._lora_path = native_kernel(
+                config,
+                self._device,
+                self._dtype,
+                weight_dtype=torch.bfloat16 if rounds else torch.float32,
+            )
+            self._loras = LoRAStore(
                 config,
                 max_loras=max_loras,
                 max_lora_rank=max_lora_rank,
                 device=self._device,
                 dtype=self._dtype,
+                native=native,
             )
-            if enable_lora
-            else None
-        )
         self._draft: Drafter | None = None
         self._closed = False
         self._compiled = CompiledDecode() if compile_decode else None
@@ -300,6 +309,8 @@ class ModelExecutor:
         if self._compiled is not None:
             report["decode"] += " (compiled)"
         report["kv_cache"] = dtype_name(self._kv_dtype)
+        if self._lora_path:
+            report["lora"] = self._lora_path
         return report
 
     @property
@@ -388,6 +399,11 @@ class ModelExecutor:
             active = self._loras.activate(names)
         except (LoRAError, UnknownLoRAError) as error:
             raise InvalidBatchError(str(error)) from None
+        if self._loras.native is not None:
+            owner = step_owner(
+                plan.num_tokens, names, plan.lora_runs, plan.lora_mixed, plan.lora_owner
+            )
+            return LoRARows((), native=self._loras.native_rows(names, owner))
         mixed = None
         if plan.lora_mixed and plan.lora_owner is not None:
             mixed = MixedDecodes(self._loras.stacked(plan.lora_mixed), plan.lora_owner)

@@ -1,0 +1,215 @@
+/* LoRA deltas of one fused product for a whole step, every adapter in one call.
+ *
+ * For each row t whose owner[t] = i >= 0, and adapter i's delta d (its table's entry
+ * `entry`, skipped where d->a is NULL):
+ *     h = x[t] @ d->a                      (d->a: [in, R], R a multiple of 16)
+ *     out[t, blk.out_start:blk.out_stop] += h[blk.start:blk.stop] @ blk.b   per block
+ * Rows of one adapter go in groups of up to four, so each weight read serves four
+ * rows; the groups are spread over `threads` OpenMP threads (the process's runtime,
+ * the one torch loaded). Each row's sums run in the same order whatever its group or
+ * the batch around it. Weights are float32 or bfloat16 (two entry points below); the
+ * activations and the accumulation are float32.
+ *
+ * Compiled at first use by `native_build.py` (`cc -O3 -march=native -fopenmp`); the
+ * vectors are GCC's generic ones, so the same source builds wherever GCC or Clang
+ * does, with the widest registers the CPU has. Python (`native.py`) checks every
+ * descriptor against the model's shapes when it builds one; this file trusts them.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef struct {
+    int32_t start, stop;         /* this block's columns of h */
+    int32_t out_start, out_stop; /* its columns of out */
+    const void *b;               /* [stop - start, out_stop - out_start], row-major */
+} wc_block;
+
+typedef struct {
+    const void *a; /* [in, R], row-major; NULL: the adapter has no delta here */
+    int32_t R;
+    int32_t n_blocks;
+    const wc_block *blocks;
+} wc_delta;
+
+typedef float v16 __attribute__((vector_size(64)));
+/* Unaligned views: loads and stores through these are single vector moves. */
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t h16u __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t w16 __attribute__((vector_size(64)));
+
+#define GROUP 4
+
+static inline v16 splat(float s) { return (v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+static inline v16 load(const float *p) { return *(const v16u *)p; }
+static inline void store(float *p, v16 v) { *(v16u *)p = v; }
+
+/* 16 weights from element i of w, widened to float32 (bfloat16: the high half). */
+static inline __attribute__((always_inline)) v16 weights(const void *w, long i, const int bf16) {
+    if (bf16) return (v16)(__builtin_convertvector(*(const h16u *)((const uint16_t *)w + i), w16) << 16);
+    return load((const float *)w + i);
+}
+
+static inline __attribute__((always_inline)) float weight(const void *w, long i, const int bf16) {
+    if (bf16) {
+        union { uint32_t u; float f; } v = {(uint32_t)((const uint16_t *)w)[i] << 16};
+        return v.f;
+    }
+    return ((const float *)w)[i];
+}
+
+/* h[r][0:R] = x[r] @ a for nr <= GROUP rows. */
+static inline __attribute__((always_inline)) void shrink(
+    const int nr, const float *const *x, int in, const void *a, int R, float *h, const int bf16)
+{
+    int c = 0;
+    for (; c + 64 <= R; c += 64) {
+        v16 acc[GROUP][4] = {{{0}}};
+        for (int k = 0; k < in; k++) {
+            long i = (long)k * R + c;
+            v16 a0 = weights(a, i, bf16), a1 = weights(a, i + 16, bf16);
+            v16 a2 = weights(a, i + 32, bf16), a3 = weights(a, i + 48, bf16);
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; r++) {
+                v16 xv = splat(x[r][k]);
+                acc[r][0] += xv * a0; acc[r][1] += xv * a1;
+                acc[r][2] += xv * a2; acc[r][3] += xv * a3;
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++)
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) store(h + r * R + c + 16 * q, acc[r][q]);
+    }
+    for (; c < R; c += 16) {
+        v16 acc[GROUP] = {{0}};
+        for (int k = 0; k < in; k++) {
+            v16 a0 = weights(a, (long)k * R + c, bf16);
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; r++) acc[r] += splat(x[r][k]) * a0;
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++) store(h + r * R + c, acc[r]);
+    }
+}
+
+/* out[r][blk's columns] += h[r][blk's columns of h] @ blk->b for nr <= GROUP rows. */
+static inline __attribute__((always_inline)) void expand(
+    const int nr, float *const *out, const float *h, int R, const wc_block *blk, const int bf16)
+{
+    const int rank = blk->stop - blk->start, width = blk->out_stop - blk->out_start;
+    const void *b = blk->b;
+    int o = 0;
+    for (; o + 64 <= width; o += 64) {
+        v16 acc[GROUP][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++)
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) acc[r][q] = load(out[r] + blk->out_start + o + 16 * q);
+        for (int j = 0; j < rank; j++) {
+            long i = (long)j * width + o;
+            v16 b0 = weights(b, i, bf16), b1 = weights(b, i + 16, bf16);
+            v16 b2 = weights(b, i + 32, bf16), b3 = weights(b, i + 48, bf16);
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; r++) {
+                v16 hv = splat(h[r * R + blk->start + j]);
+                acc[r][0] += hv * b0; acc[r][1] += hv * b1;
+                acc[r][2] += hv * b2; acc[r][3] += hv * b3;
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++)
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) store(out[r] + blk->out_start + o + 16 * q, acc[r][q]);
+    }
+    for (; o + 16 <= width; o += 16) {
+        v16 acc[GROUP];
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++) acc[r] = load(out[r] + blk->out_start + o);
+        for (int j = 0; j < rank; j++) {
+            v16 b0 = weights(b, (long)j * width + o, bf16);
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; r++) acc[r] += splat(h[r * R + blk->start + j]) * b0;
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++) store(out[r] + blk->out_start + o, acc[r]);
+    }
+    for (; o < width; o++)
+        for (int r = 0; r < nr; r++) {
+            float sum = out[r][blk->out_start + o];
+            for (int j = 0; j < rank; j++)
+                sum += h[r * R + blk->start + j] * weight(b, (long)j * width + o, bf16);
+            out[r][blk->out_start + o] = sum;
+        }
+}
+
+static inline __attribute__((always_inline)) void group(
+    const int nr, const float *const *x, float *const *out, int in, const wc_delta *d,
+    float *h, const int bf16)
+{
+    shrink(nr, x, in, d->a, d->R, h, bf16);
+    for (int i = 0; i < d->n_blocks; i++) expand(nr, out, h, d->R, d->blocks + i, bf16);
+}
+
+static int lora_delta(
+    int32_t rows, int32_t in, const float *x, int64_t x_stride, float *out, int64_t out_stride,
+    const int32_t *owner, int32_t n_adapters, const wc_delta *const *tables, int32_t entry,
+    int32_t threads, const int bf16)
+{
+    /* The rows in adapter order, and the groups: first row (in that order), rows, adapter. */
+    int32_t *order = malloc(sizeof(int32_t) * 4 * (size_t)(rows > 0 ? rows : 1));
+    if (!order) return 1;
+    int32_t *group_first = order + rows, *group_rows = group_first + rows;
+    int32_t *group_adapter = group_rows + rows;
+    int n_groups = 0, n_ordered = 0;
+    for (int i = 0; i < n_adapters; i++) {
+        if (!tables[i][entry].a) continue;
+        int first = n_ordered;
+        for (int t = 0; t < rows; t++)
+            if (owner[t] == i) order[n_ordered++] = t;
+        for (int g = first; g < n_ordered; g += GROUP) {
+            group_first[n_groups] = g;
+            group_rows[n_groups] = n_ordered - g < GROUP ? n_ordered - g : GROUP;
+            group_adapter[n_groups++] = i;
+        }
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (n_groups > 1)
+    for (int g = 0; g < n_groups; g++) {
+        const wc_delta *d = &tables[group_adapter[g]][entry];
+        const int nr = group_rows[g];
+        const float *xs[GROUP];
+        float *outs[GROUP];
+        for (int r = 0; r < nr; r++) {
+            long t = order[group_first[g] + r];
+            xs[r] = x + t * x_stride;
+            outs[r] = out + t * out_stride;
+        }
+        float h[GROUP * d->R];
+        switch (nr) {
+            case 1: group(1, xs, outs, in, d, h, bf16); break;
+            case 2: group(2, xs, outs, in, d, h, bf16); break;
+            case 3: group(3, xs, outs, in, d, h, bf16); break;
+            default: group(GROUP, xs, outs, in, d, h, bf16); break;
+        }
+    }
+    free(order);
+    return 0;
+}
+
+/* 0 on success, 1 when the scratch for the row order cannot be allocated. */
+int wc_lora_delta_f32(
+    int32_t rows, int32_t in, const float *x, int64_t x_stride, float *out, int64_t out_stride,
+    const int32_t *owner, int32_t n_adapters, const wc_delta *const *tables, int32_t entry,
+    int32_t threads)
+{
+    return lora_delta(rows, in, x, x_stride, out, out_stride, owner, n_adapters, tables, entry,
+                      threads, 0);
+}
+
+int wc_lora_delta_bf16(
+    int32_t rows, int32_t in, const float *x, int64_t x_stride, float *out, int64_t out_stride,
+    const int32_t *owner, int32_t n_adapters, const wc_delta *const *tables, int32_t entry,
+    int32_t threads)
+{
+    return lora_delta(rows, in, x, x_stride, out, out_stride, owner, n_adapters, tables, entry,
+                      threads, 1);
+}

@@ -1,0 +1,243 @@
+"""LoRA deltas through the C kernel (`delta_kernel.c`): one call per fused product per
+step, whatever the adapters and however their rows lie in the batch.
+
+`NativeAdapter` is an adapter as the kernel reads it: per layer and fused product a
+descriptor (`_Delta`) of its `a` (its columns padded with zeros to a multiple of 16, the
+kernel's vector width) and its targets' `b` blocks, in float32, or in bfloat16 beside
+a base whose kernels round to it (half the bytes a step streams; the sums stay float32).
+Each descriptor is checked against the model's shapes here, because the kernel trusts
+them. `NativeRows` is one step: each row's adapter (`owner`, -1 for the base model)
+and the step's adapters' tables; `add` runs the kernel on one product.
+
+Measured against torch's products (the grouped and stacked paths of `compute.py`) in
+`bench/lora.py`; the README says what each costs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from wavecore.engine.lora.adapters import PRODUCTS, Adapter, FusedDelta
+from wavecore.engine.lora.native_build import delta_kernel
+from wavecore.engine.model.config import ModelConfig
+
+_VECTOR = 16  # floats per vector in the kernel: `a`'s columns are padded to a multiple
+_ENTRY = {product: index for index, product in enumerate(PRODUCTS)}
+
+
+class _Block(ctypes.Structure):
+    _fields_ = [
+        ("start", ctypes.c_int32),
+        ("stop", ctypes.c_int32),
+        ("out_start", ctypes.c_int32),
+        ("out_stop", ctypes.c_int32),
+        ("b", ctypes.c_void_p),
+    ]
+
+
+class _Delta(ctypes.Structure):
+    _fields_ = [
+        ("a", ctypes.c_void_p),
+        ("R", ctypes.c_int32),
+        ("n_blocks", ctypes.c_int32),
+        ("blocks", ctypes.POINTER(_Block)),
+    ]
+
+
+_ARGUMENTS = [
+    ctypes.c_int32,  # rows
+    ctypes.c_int32,  # in
+    ctypes.c_void_p,  # x
+    ctypes.c_int64,  # x's row stride
+    ctypes.c_void_p,  # out
+    ctypes.c_int64,  # out's row stride
+    ctypes.c_void_p,  # owner
+    ctypes.c_int32,  # adapters
+    ctypes.c_void_p,  # their tables
+    ctypes.c_int32,  # entry: layer * 4 + product
+    ctypes.c_int32,  # threads
+]
+
+
+def kernel_function(library: ctypes.CDLL, weight_dtype: torch.dtype) -> Callable[..., int]:
+    """The library's entry point for weights in `weight_dtype` (float32 or bfloat16)."""
+    names = {torch.float32: "wc_lora_delta_f32", torch.bfloat16: "wc_lora_delta_bf16"}
+    function = getattr(library, names[weight_dtype])
+    function.argtypes = _ARGUMENTS
+    function.restype = ctypes.c_int
+    return function
+
+
+def product_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each fused product's input and output widths."""
+    qkv = config.q_size + 2 * config.kv_size
+    return {
+        "qkv": (config.hidden_size, qkv),
+        "o": (config.q_size, config.hidden_size),
+        "gate_up": (config.hidden_size, 2 * config.intermediate_size),
+        "down": (config.intermediate_size, config.hidden_size),
+    }
+
+
+class NativeAdapter:
+    """One adapter's deltas as the kernel reads them: a table of `layers x 4` descriptors
+    (layer by layer, `PRODUCTS` in order) over its matrices in `weight_dtype`."""
+
+    def __init__(self, adapter: Adapter, config: ModelConfig, weight_dtype: torch.dtype) -> None:
+        self.name = adapter.request.name
+        shapes = product_shapes(config)
+        self._tensors: list[torch.Tensor] = []  # what the descriptors point into
+        self._blocks: list[ctypes.Array[_Block]] = []
+        table = (_Delta * (len(adapter.layers) * len(PRODUCTS)))()
+        for layer, deltas in enumerate(adapter.layers):
+            for product, entry in _ENTRY.items():
+                delta: FusedDelta | None = getattr(deltas, product)
+                if delta is not None:
+                    fan_in, width = shapes[product]
+                    table[layer * len(PRODUCTS) + entry] = self._describe(
+                        delta, fan_in, width, weight_dtype, where=f"layer {layer} {product}"
+                    )
+        self.table = table
+        self.num_bytes = sum(t.numel() * t.element_size() for t in self._tensors)
+
+    def _describe(
+        self, delta: FusedDelta, fan_in: int, width: int, dtype: torch.dtype, *, where: str
+    ) -> _Delta:
+        a = delta.a
+        if a.device.type != "cpu" or a.dim() != 2 or a.shape[0] != fan_in:
+            raise ValueError(f"{where}: a {tuple(a.shape)} on {a.device} is not [{fan_in}, R]")
+        rank_columns = a.shape[1]
+        padded = -(-rank_columns // _VECTOR) * _VECTOR
+        if padded == rank_columns:
+            a_kernel = a.to(dtype).contiguous()  # the adapter's own tensor where it fits
+        else:
+            a_kernel = torch.zeros(fan_in, padded, dtype=dtype)
+            a_kernel[:, :rank_columns] = a
+        self._tensors.append(a_kernel)
+        blocks = (_Block * len(delta.blocks))()
+        for number, (span, b) in enumerate(delta.blocks):
+            if not (0 <= span.start < span.stop <= rank_columns) or not (
+                0 <= span.out_start < span.out_stop <= width
+            ):
+                raise ValueError(f"{where}: block {span} outside [{rank_columns}] x [{width}]")
+            shape = (span.stop - span.start, span.out_stop - span.out_start)
+            if tuple(b.shape) != shape:
+                raise ValueError(f"{where}: b {tuple(b.shape)} for a block of {shape}")
+            b_kernel = b.to("cpu", dtype).contiguous()
+            self._tensors.append(b_kernel)
+            blocks[number] = _Block(
+                span.start, span.stop, span.out_start, span.out_stop, b_kernel.data_ptr()
+            )
+        self._blocks.append(blocks)
+        return _Delta(a_kernel.data_ptr(), padded, len(delta.blocks), blocks)
+
+
+class NativeRows:
+    """One step's rows for the kernel: `owner[row]` the index of the row's adapter in
+    `adapters` (-1: the base model), int32, one entry per row of the step."""
+
+    def __init__(
+        self,
+        function: Callable[..., int],
+        shapes: dict[str, tuple[int, int]],
+        adapters: Sequence[NativeAdapter],
+        owner: torch.Tensor,
+    ) -> None:
+        self._function = function
+        self._shapes = shapes  # `product_shapes`: what the descriptors were checked against
+        self._adapters = tuple(adapters)  # keeps the tables alive while the step runs
+        self._tables = (ctypes.POINTER(_Delta) * len(adapters))(
+            *(ctypes.cast(a.table, ctypes.POINTER(_Delta)) for a in adapters)
+        )
+        self._owner = owner.to(torch.int32).contiguous()
+        self.rows = int(owner.shape[0])
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, product: str) -> None:
+        """`out[row] += delta(owner[row])` of `product` at `layer`, for every row."""
+        rows, fan_in = x.shape
+        if (rows, fan_in) != (self.rows, self._shapes[product][0]) or tuple(out.shape) != (
+            rows,
+            self._shapes[product][1],
+        ):
+            raise ValueError(
+                f"{product}: x {tuple(x.shape)} and out {tuple(out.shape)} do not fit a step "
+                f"of {self.rows} rows and the product's shape {self._shapes[product]}"
+            )
+        if x.dtype != torch.float32 or out.dtype != torch.float32:
+            raise ValueError(f"the kernel takes float32 rows, got {x.dtype} and {out.dtype}")
+        if x.stride(1) != 1 or out.stride(1) != 1:
+            raise ValueError("the kernel takes rows whose elements are contiguous")
+        status = self._function(
+            rows,
+            fan_in,
+            x.data_ptr(),
+            x.stride(0),
+            out.data_ptr(),
+            out.stride(0),
+            self._owner.data_ptr(),
+            len(self._adapters),
+            ctypes.addressof(self._tables),
+            layer * len(PRODUCTS) + _ENTRY[product],
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("the LoRA kernel could not allocate its row order")
+
+
+def step_owner(
+    num_rows: int,
+    names: Sequence[str],
+    runs: Sequence[tuple[str, int, int]],
+    mixed: Sequence[str] = (),
+    mixed_owner: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each row's index in `names` (-1: the base model), from a plan's contiguous runs
+    `(name, start, end)` and its mixed decodes (rows `[0, len(mixed_owner))`, each an
+    index into `mixed` or -1)."""
+    index = {name: number for number, name in enumerate(names)}
+    owner = torch.full((num_rows,), -1, dtype=torch.int32)
+    for name, start, end in runs:
+        owner[start:end] = index[name]
+    if mixed and mixed_owner is not None:
+        to_step = torch.tensor([index[name] for name in mixed], dtype=torch.int32)
+        own = mixed_owner.to("cpu")
+        owner[: own.shape[0]] = torch.where(own >= 0, to_step[own.clamp(min=0)], -1)
+    return owner
+
+
+@dataclass(frozen=True, slots=True)
+class NativeKernel:
+    """The kernel for one executor: its entry point, the adapters' weight dtype, and the
+    model's product shapes."""
+
+    function: Callable[..., int]
+    weight_dtype: torch.dtype
+    config: ModelConfig
+
+    def adapter(self, adapter: Adapter) -> NativeAdapter:
+        return NativeAdapter(adapter, self.config, self.weight_dtype)
+
+    def rows(self, adapters: Sequence[NativeAdapter], owner: torch.Tensor) -> NativeRows:
+        return NativeRows(self.function, product_shapes(self.config), adapters, owner)
+
+    def describe(self) -> str:
+        weights = "bfloat16" if self.weight_dtype == torch.bfloat16 else "float32"
+        return f"native kernel, {weights} adapter weights"
+
+
+def native_kernel(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype
+) -> tuple[NativeKernel | None, str]:
+    """The kernel for an executor computing `dtype` on `device`, or None; with what runs
+    the deltas, in words (for `path_report`)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None, f"torch products (the kernel takes float32 on a CPU, not {dtype} on {device})"
+    build = delta_kernel()
+    if build.library is None:
+        return None, f"torch products ({build.reason})"
+    kernel = NativeKernel(kernel_function(build.library, weight_dtype), weight_dtype, config)
+    return kernel, kernel.describe()
