@@ -172,6 +172,8 @@ def test_a_call_that_does_not_fit_the_step_is_refused(tmp_path: Path) -> None:
         (torch.zeros(2, 64), torch.zeros(2, 100), "do not fit"),  # the wrong output width
         (torch.zeros(2, 64, dtype=torch.bfloat16), out, "float32"),
         (torch.zeros(64, 2).t(), out, "contiguous"),
+        (torch.zeros(2, 64), torch.zeros(128, 2).t(), "contiguous"),
+        (torch.zeros(2, 128)[:, ::2], out, "contiguous"),
     ]
     for x, target, message in cases:
         before = target.clone()
