@@ -10,6 +10,12 @@
  * the batch around it. Weights are float32 or bfloat16 (two entry points below); the
  * activations and the accumulation are float32.
  *
+ * On a CPU with AVX-512 BF16 a third entry point takes bfloat16 weights laid out in
+ * pairs (a: [in/2][R][2], each block's b: [ceil(rank/2)][width][2]) and multiplies
+ * with `vdpbf16ps`, two products per lane and instruction, after rounding each row of
+ * x, and of h, to bfloat16 (as the base's own bfloat16 kernels round the rows they
+ * take); the sums stay float32. `wc_lora_pairs` says whether it was built.
+ *
  * Compiled at first use by `native_build.py` (`cc -O3 -march=native -fopenmp`); the
  * vectors are GCC's generic ones, so the same source builds wherever GCC or Clang
  * does, with the widest registers the CPU has. Python (`native.py`) checks every
@@ -17,6 +23,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct {
     int32_t start, stop;         /* this block's columns of h */
@@ -150,6 +157,148 @@ static inline __attribute__((always_inline)) void group(
     for (int i = 0; i < d->n_blocks; i++) expand(nr, out, h, d->R, d->blocks + i, bf16);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+int wc_lora_pairs(void) { return 1; }
+
+/* dst[0:n_pad] = src[0:n] rounded to bfloat16 (nearest even), zeros after n. */
+static inline void round_row(const float *src, int n, uint16_t *dst, int n_pad)
+{
+    for (int i = 0; i < n_pad; i += 16) {
+        int left = n - i;
+        __mmask16 mask = left >= 16 ? 0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + i));
+        int keep = n_pad - i < 16 ? n_pad - i : 16;
+        _mm256_mask_storeu_epi16(dst + i, (__mmask16)((1u << keep) - 1), (__m256i)v);
+    }
+}
+
+/* A pair of bfloat16 values (p[0], p[1]) in every lane. */
+static inline __m512bh pair(const uint16_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return (__m512bh)_mm512_set1_epi32((int)v);
+}
+
+static inline __m512bh pairs_at(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+/* h[r][0:R] = xb[r] @ a for nr <= GROUP rows already rounded (in_pad even). */
+static inline __attribute__((always_inline)) void shrink_pairs(
+    const int nr, const uint16_t *xb, int in_pad, const uint16_t *a, int R, float *h)
+{
+    int c = 0;
+    for (; c + 64 <= R; c += 64) {
+        __m512 acc[GROUP][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++)
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
+        for (int k = 0; k < in_pad / 2; k++) {
+            const uint16_t *ak = a + ((long)k * R + c) * 2;
+            __m512bh a0 = pairs_at(ak), a1 = pairs_at(ak + 32);
+            __m512bh a2 = pairs_at(ak + 64), a3 = pairs_at(ak + 96);
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; r++) {
+                __m512bh xv = pair(xb + r * in_pad + 2 * k);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a0, xv);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a1, xv);
+                acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a2, xv);
+                acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a3, xv);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++)
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++) _mm512_storeu_ps(h + r * R + c + 16 * q, acc[r][q]);
+    }
+    for (; c < R; c += 16) {
+        __m512 acc[GROUP];
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+        for (int k = 0; k < in_pad / 2; k++) {
+            __m512bh a0 = pairs_at(a + ((long)k * R + c) * 2);
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], a0, pair(xb + r * in_pad + 2 * k));
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++) _mm512_storeu_ps(h + r * R + c, acc[r]);
+    }
+}
+
+/* out[r][blk's columns] += hb[r] @ blk->b for nr <= GROUP rows; hb rows of `pairs` pairs. */
+static inline __attribute__((always_inline)) void expand_pairs(
+    const int nr, float *const *out, const uint16_t *hb, int pairs, const wc_block *blk)
+{
+    const int width = blk->out_stop - blk->out_start;
+    const uint16_t *b = blk->b;
+    int o = 0;
+    for (; o + 64 <= width; o += 64) {
+        __m512 acc[GROUP][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++)
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++)
+                acc[r][q] = _mm512_loadu_ps(out[r] + blk->out_start + o + 16 * q);
+        for (int j = 0; j < pairs; j++) {
+            const uint16_t *bj = b + ((long)j * width + o) * 2;
+            __m512bh b0 = pairs_at(bj), b1 = pairs_at(bj + 32);
+            __m512bh b2 = pairs_at(bj + 64), b3 = pairs_at(bj + 96);
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; r++) {
+                __m512bh hv = pair(hb + r * 2 * pairs + 2 * j);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b0, hv);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b1, hv);
+                acc[r][2] = _mm512_dpbf16_ps(acc[r][2], b2, hv);
+                acc[r][3] = _mm512_dpbf16_ps(acc[r][3], b3, hv);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++)
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++)
+                _mm512_storeu_ps(out[r] + blk->out_start + o + 16 * q, acc[r][q]);
+    }
+    for (; o < width; o += 16) {
+        int left = width - o;
+        __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+        __m512 acc[GROUP];
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++)
+            acc[r] = _mm512_maskz_loadu_ps(mask, out[r] + blk->out_start + o);
+        for (int j = 0; j < pairs; j++) {
+            /* The lanes past `width` read the next pairs' row (or zeros): masked out below. */
+            __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(mask, b + ((long)j * width + o) * 2);
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], b0, pair(hb + r * 2 * pairs + 2 * j));
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++) _mm512_mask_storeu_ps(out[r] + blk->out_start + o, mask, acc[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void group_pairs(
+    const int nr, const float *const *x, float *const *out, int in, const wc_delta *d,
+    float *h, uint16_t *xb, uint16_t *hb)
+{
+    const int in_pad = (in + 1) / 2 * 2;
+    for (int r = 0; r < nr; r++) round_row(x[r], in, xb + r * in_pad, in_pad);
+    shrink_pairs(nr, xb, in_pad, d->a, d->R, h);
+    for (int i = 0; i < d->n_blocks; i++) {
+        const wc_block *blk = d->blocks + i;
+        const int rank = blk->stop - blk->start, pairs = (rank + 1) / 2;
+        for (int r = 0; r < nr; r++)
+            round_row(h + r * d->R + blk->start, rank, hb + r * 2 * pairs, 2 * pairs);
+        expand_pairs(nr, out, hb, pairs, blk);
+    }
+}
+#else
+int wc_lora_pairs(void) { return 0; }
+#endif
+
 static int lora_delta(
     int32_t rows, int32_t in, const float *x, int64_t x_stride, float *out, int64_t out_stride,
     const int32_t *owner, int32_t n_adapters, const wc_delta *const *tables, int32_t entry,
@@ -184,6 +333,18 @@ static int lora_delta(
             outs[r] = out + t * out_stride;
         }
         float h[GROUP * d->R];
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+        if (bf16 == 2) {
+            uint16_t xb[GROUP * ((in + 1) / 2 * 2)], hb[GROUP * (d->R + 1)];
+            switch (nr) {
+                case 1: group_pairs(1, xs, outs, in, d, h, xb, hb); break;
+                case 2: group_pairs(2, xs, outs, in, d, h, xb, hb); break;
+                case 3: group_pairs(3, xs, outs, in, d, h, xb, hb); break;
+                default: group_pairs(GROUP, xs, outs, in, d, h, xb, hb); break;
+            }
+            continue;
+        }
+#endif
         switch (nr) {
             case 1: group(1, xs, outs, in, d, h, bf16); break;
             case 2: group(2, xs, outs, in, d, h, bf16); break;
@@ -213,3 +374,14 @@ int wc_lora_delta_bf16(
     return lora_delta(rows, in, x, x_stride, out, out_stride, owner, n_adapters, tables, entry,
                       threads, 1);
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+int wc_lora_delta_bf16_pairs(
+    int32_t rows, int32_t in, const float *x, int64_t x_stride, float *out, int64_t out_stride,
+    const int32_t *owner, int32_t n_adapters, const wc_delta *const *tables, int32_t entry,
+    int32_t threads)
+{
+    return lora_delta(rows, in, x, x_stride, out, out_stride, owner, n_adapters, tables, entry,
+                      threads, 2);
+}
+#endif

@@ -63,13 +63,32 @@ _ARGUMENTS = [
 ]
 
 
-def kernel_function(library: ctypes.CDLL, weight_dtype: torch.dtype) -> Callable[..., int]:
-    """The library's entry point for weights in `weight_dtype` (float32 or bfloat16)."""
-    names = {torch.float32: "wc_lora_delta_f32", torch.bfloat16: "wc_lora_delta_bf16"}
-    function = getattr(library, names[weight_dtype])
+def kernel_function(
+    library: ctypes.CDLL, weight_dtype: torch.dtype, pairs: bool = False
+) -> Callable[..., int]:
+    """The library's entry point for weights in `weight_dtype` (float32 or bfloat16;
+    with `pairs`, bfloat16 laid out for AVX-512 BF16's dot products: `has_pairs`)."""
+    if weight_dtype == torch.float32:
+        name = "wc_lora_delta_f32"
+    else:
+        name = "wc_lora_delta_bf16_pairs" if pairs else "wc_lora_delta_bf16"
+    function = getattr(library, name)
     function.argtypes = _ARGUMENTS
     function.restype = ctypes.c_int
     return function
+
+
+def has_pairs(library: ctypes.CDLL) -> bool:
+    """Whether the library was built with AVX-512 BF16's dot products (this CPU has them)."""
+    return bool(library.wc_lora_pairs())
+
+
+def _in_pairs(matrix: torch.Tensor) -> torch.Tensor:
+    """`[n, m]` as `[ceil(n / 2), m, 2]`: rows 2i and 2i + 1 side by side in every column
+    (a zero row after an odd n), the layout AVX-512 BF16's dot products read."""
+    if matrix.shape[0] % 2:
+        matrix = torch.cat([matrix, matrix.new_zeros(1, matrix.shape[1])])
+    return matrix.view(-1, 2, matrix.shape[1]).transpose(1, 2).contiguous()
 
 
 def product_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -85,10 +104,18 @@ def product_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 class NativeAdapter:
     """One adapter's deltas as the kernel reads them: a table of `layers x 4` descriptors
-    (layer by layer, `PRODUCTS` in order) over its matrices in `weight_dtype`."""
+    (layer by layer, `PRODUCTS` in order) over its matrices in `weight_dtype` (`pairs`:
+    bfloat16 in pairs of rows, `_in_pairs`)."""
 
-    def __init__(self, adapter: Adapter, config: ModelConfig, weight_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        adapter: Adapter,
+        config: ModelConfig,
+        weight_dtype: torch.dtype,
+        pairs: bool = False,
+    ) -> None:
         self.name = adapter.request.name
+        self._pairs = pairs
         shapes = product_shapes(config)
         self._tensors: list[torch.Tensor] = []  # what the descriptors point into
         self._blocks: list[ctypes.Array[_Block]] = []
@@ -118,6 +145,8 @@ class NativeAdapter:
         else:
             a_kernel = torch.zeros(fan_in, padded, dtype=dtype)
             a_kernel[:, :rank_columns] = a
+        if self._pairs:
+            a_kernel = _in_pairs(a_kernel)
         self._tensors.append(a_kernel)
         blocks = (_Block * len(delta.blocks))()
         for number, (span, b) in enumerate(delta.blocks):
@@ -129,6 +158,8 @@ class NativeAdapter:
             if tuple(b.shape) != shape:
                 raise ValueError(f"{where}: b {tuple(b.shape)} for a block of {shape}")
             b_kernel = b.to("cpu", dtype).contiguous()
+            if self._pairs:
+                b_kernel = _in_pairs(b_kernel)
             self._tensors.append(b_kernel)
             blocks[number] = _Block(
                 span.start, span.stop, span.out_start, span.out_stop, b_kernel.data_ptr()
@@ -224,16 +255,20 @@ class NativeKernel:
     function: Callable[..., int]
     weight_dtype: torch.dtype
     config: ModelConfig
+    pairs: bool = False  # bfloat16 weights through AVX-512 BF16's dot products
 
     def adapter(self, adapter: Adapter) -> NativeAdapter:
-        return NativeAdapter(adapter, self.config, self.weight_dtype)
+        return NativeAdapter(adapter, self.config, self.weight_dtype, self.pairs)
 
     def rows(self, adapters: Sequence[NativeAdapter], owner: torch.Tensor) -> NativeRows:
         return NativeRows(self.function, product_shapes(self.config), adapters, owner)
 
     def describe(self) -> str:
-        weights = "bfloat16" if self.weight_dtype == torch.bfloat16 else "float32"
-        return f"native kernel, {weights} adapter weights"
+        if self.weight_dtype == torch.float32:
+            return "native kernel, float32 adapter weights"
+        if self.pairs:
+            return "native kernel, bfloat16 adapter weights and rows (AVX-512 BF16)"
+        return "native kernel, bfloat16 adapter weights"
 
 
 def native_kernel(
@@ -246,5 +281,7 @@ def native_kernel(
     build = delta_kernel()
     if build.library is None:
         return None, f"torch products ({build.reason})"
-    kernel = NativeKernel(kernel_function(build.library, weight_dtype), weight_dtype, config)
+    pairs = weight_dtype == torch.bfloat16 and has_pairs(build.library)
+    function = kernel_function(build.library, weight_dtype, pairs)
+    kernel = NativeKernel(function, weight_dtype, config, pairs)
     return kernel, kernel.describe()

@@ -1,7 +1,8 @@
 """The C kernel of LoRA deltas (`lora/native.py`, `delta_kernel.c`): each row gets its
 own adapter's delta (the torch path's, to float32 rounding) for runs and interleaved
 rows, adapters of different ranks and targets, shapes that are not multiples of the
-kernel's vectors, and weights in bfloat16; a row's delta does not depend on the rows
+kernel's vectors, and weights in bfloat16 (also in pairs, through AVX-512 BF16's dot
+products, where the rows round to bfloat16 too); a row's delta does not depend on the rows
 around it; a call that does not fit the step is refused before the kernel runs; the
 build is cached and optional, and an executor says which path runs its deltas and
 gives the same tokens on either."""
@@ -21,6 +22,7 @@ from wavecore.engine.lora.adapters import PRODUCTS, Adapter, build_adapter
 from wavecore.engine.lora.compute import LoRARows, add_lora
 from wavecore.engine.lora.native import (
     NativeKernel,
+    has_pairs,
     kernel_function,
     product_shapes,
     step_owner,
@@ -64,13 +66,18 @@ def fresh_build() -> Iterator[None]:
     native_build.delta_kernel.cache_clear()
 
 
-def kernel(config: ModelConfig, weight_dtype: torch.dtype = torch.float32) -> NativeKernel:
+def kernel(
+    config: ModelConfig, weight_dtype: torch.dtype = torch.float32, pairs: bool = False
+) -> NativeKernel:
     build = native_build.delta_kernel()
     if build.library is None:
         if shutil.which("cc") is not None:  # a machine with a compiler must build it
             pytest.fail(f"the LoRA kernel did not build: {build.reason}")
         pytest.skip(build.reason)
-    return NativeKernel(kernel_function(build.library, weight_dtype), weight_dtype, config)
+    if pairs and not has_pairs(build.library):
+        pytest.skip("this CPU has no AVX-512 BF16")
+    function = kernel_function(build.library, weight_dtype, pairs)
+    return NativeKernel(function, weight_dtype, config, pairs)
 
 
 def shapes_of(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -117,19 +124,48 @@ def rounded(adapter: Adapter) -> Adapter:
     return adapter.to(torch.device("cpu"), torch.bfloat16).to(torch.device("cpu"), torch.float32)
 
 
+def to_bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(torch.float32)
+
+
+def rounded_rows_reference(
+    x: torch.Tensor, width: int, owner: list[int], adapters: list[Adapter], layer: int, product: str
+) -> torch.Tensor:
+    """Each row's delta as the AVX-512 BF16 path takes it: the row rounded to bfloat16,
+    and each target's columns of `x @ a` rounded again before its `b`."""
+    expected = torch.zeros(x.shape[0], width)
+    for row, number in enumerate(owner):
+        delta = getattr(adapters[number].layers[layer], product) if number >= 0 else None
+        if delta is not None:
+            h = to_bf16(x[row : row + 1]) @ delta.a
+            for span, b in delta.blocks:
+                part = to_bf16(h[:, span.start : span.stop]) @ b
+                expected[row : row + 1, span.out_start : span.out_stop] += part
+    return expected
+
+
+WEIGHTS = {
+    "f32": (torch.float32, False),
+    "bf16": (torch.bfloat16, False),
+    "bf16-pairs": (torch.bfloat16, True),
+}
+
+
 @pytest.mark.parametrize("config", [TINY_CONFIG, ODD_CONFIG], ids=["tiny", "odd-widths"])
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("weights", list(WEIGHTS))
 def test_each_row_gets_its_own_adapters_delta(
-    tmp_path: Path, config: ModelConfig, weight_dtype: torch.dtype
+    tmp_path: Path, config: ModelConfig, weights: str
 ) -> None:
+    weight_dtype, pairs = WEIGHTS[weights]
     adapters = adapters_for(tmp_path, config)
-    native = kernel(config, weight_dtype)
+    native = kernel(config, weight_dtype, pairs)
     forms = [native.adapter(adapter) for adapter in adapters]
     # Interleaved rows, base rows among them, and a run: groups of 4 and remainders.
     owner = [2, -1, 0, 1, 0, 2, -1, 1, 1, 0, 0, 0, 0, 0, 2, -1, 1, 3, 3, 0, 3, 3, 3, 3]
     rows = native.rows(forms, torch.tensor(owner))
     if weight_dtype == torch.bfloat16:
         adapters = [rounded(adapter) for adapter in adapters]
+    reference = rounded_rows_reference if pairs else torch_reference
     gen = torch.Generator().manual_seed(0)
     shapes = product_shapes(config)
     for layer in range(config.num_layers):
@@ -139,9 +175,12 @@ def test_each_row_gets_its_own_adapters_delta(
             start = torch.randn(len(owner), width, generator=gen)
             got = start.clone()
             rows.add(got, x, layer, product)
-            expected = start + torch_reference(x, width, owner, adapters, layer, product)
-            assert not torch.equal(got, start)  # some adapter targets every product
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            delta = reference(x, width, owner, adapters, layer, product)
+            assert delta.abs().sum() > 0  # some adapter targets every product
+            # Rounded rows: a sum that lands next to a rounding boundary may round the
+            # other way (one bfloat16 step, 2**-8, of one of h's values).
+            tolerance = 1e-5 if not pairs else 1e-2 * delta.abs().max().item()
+            torch.testing.assert_close(got, start + delta, rtol=1e-5, atol=tolerance)
 
 
 def test_a_rows_delta_does_not_depend_on_the_rows_around_it(tmp_path: Path) -> None:
