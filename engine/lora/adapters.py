@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from wavecore.engine.lora.peft_files import PeftAdapter
 from wavecore.engine.lora.request import LoRARequest
-from wavecore.engine.model.config import ModelConfig
+
+if TYPE_CHECKING:  # the model package imports this one (through its executor)
+    from wavecore.engine.model.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

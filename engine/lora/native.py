@@ -18,12 +18,15 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from wavecore.engine.lora.adapters import PRODUCTS, Adapter, FusedDelta
 from wavecore.engine.lora.native_build import delta_kernel
-from wavecore.engine.model.config import ModelConfig
+
+if TYPE_CHECKING:  # the model package imports this one (through its executor)
+    from wavecore.engine.model.config import ModelConfig
 
 _VECTOR = 16  # floats per vector in the kernel: `a`'s columns are padded to a multiple
 _ENTRY = {product: index for index, product in enumerate(PRODUCTS)}

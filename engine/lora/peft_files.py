@@ -18,11 +18,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from wavecore.engine.errors import LoRAError
-from wavecore.engine.model.config import ModelConfig
+
+if TYPE_CHECKING:  # the model package imports this one (through its executor)
+    from wavecore.engine.model.config import ModelConfig
 
 # PEFT's module names of the projections this model has, and where each sits.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,7 +26,9 @@ from wavecore.engine.lora.adapters import Adapter, StackedAdapters, build_adapte
 from wavecore.engine.lora.native import NativeAdapter, NativeKernel, NativeRows
 from wavecore.engine.lora.peft_files import read_peft_adapter
 from wavecore.engine.lora.request import LoRARequest
-from wavecore.engine.model.config import ModelConfig
+
+if TYPE_CHECKING:  # the model package imports this one (through its executor)
+    from wavecore.engine.model.config import ModelConfig
 
 # Stacked sets kept (`LoRAStore.stacked`): each is a copy of its adapters.
 _STACKED_SETS = 2

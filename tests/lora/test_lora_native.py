@@ -10,6 +10,8 @@ gives the same tokens on either."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -315,3 +317,12 @@ def test_an_executor_says_which_path_runs_and_both_give_the_same_tokens(
     native_build.delta_kernel.cache_clear()
     monkeypatch.setenv(native_build.KERNEL_ENV, "torch")
     assert tokens("torch products (WAVECORE_LORA_KERNEL=torch)") == native
+
+
+def test_the_lora_modules_import_before_the_model_package() -> None:
+    """`store` (through `native`, `adapters`, `peft_files`) imported first, in a fresh
+    interpreter: the model package imports them through its executor, so they may
+    import it only for type checking."""
+    code = "import wavecore.engine.lora.store"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
