@@ -12,7 +12,8 @@ grouped by a gather in adapter order (one
 batched product (each token's own `a` and `b` gathered from the stacked adapters, then
 one `bmm` per side for all tokens, as punica's BGMV does on GPUs), and wavecore's C
 kernel (`lora/native.py`: one call for every row, each against its own adapter only,
-with the adapter's weights in float32 and in bfloat16); beside the base product itself
+with the adapter's weights in float32, in bfloat16, and in bfloat16 pairs through
+AVX-512 BF16's dot products where the CPU has them); beside the base product itself
 (float32 BLAS), and, for one adapter on a CPU with native bfloat16, the delta in
 bfloat16 through the base's oneDNN kernel. On a CUDA device too when one is present
 (bfloat16).
@@ -67,7 +68,7 @@ from wavecore.engine.lora.adapters import (
     TargetSpan,
 )
 from wavecore.engine.lora.compute import LoRARows, MixedDecodes, add_lora
-from wavecore.engine.lora.native import NativeKernel, kernel_function
+from wavecore.engine.lora.native import NativeKernel, has_pairs, kernel_function
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.model import load_executor
 from wavecore.engine.model.config import ModelConfig
@@ -184,8 +185,8 @@ def _delta_case(
     index = owner.to(device)
     out = torch.zeros(tokens, QKV_OUT, device=device, dtype=dtype)
     native = {
-        weights: _native_delta(adapters, owner, x, out, weights)
-        for weights in (torch.float32, torch.bfloat16)
+        name: _native_delta(adapters, owner, x, out, weights, pairs)
+        for name, weights, pairs in NATIVE_FORMS
         if device.type == "cpu"
     }
 
@@ -226,10 +227,7 @@ def _delta_case(
         ),
         **{
             f"native_{name}_ms": _timed(run, repeats, device) if run is not None else None
-            for name, run in (
-                ("f32", native.get(torch.float32)),
-                ("bf16", native.get(torch.bfloat16)),
-            )
+            for name, run in ((name, native.get(name)) for name, _, _ in NATIVE_FORMS)
         },
     }
 
@@ -252,19 +250,30 @@ SMOLLM_ONE_LAYER = ModelConfig(
 )
 
 
+# The kernel's forms of the adapter weights: float32, bfloat16 widened to float32, and
+# bfloat16 in pairs through AVX-512 BF16's dot products (where the CPU has them).
+NATIVE_FORMS = (
+    ("f32", torch.float32, False),
+    ("bf16", torch.bfloat16, False),
+    ("bf16_pairs", torch.bfloat16, True),
+)
+
+
 def _native_delta(
     adapters: list[Adapter],
     owner: torch.Tensor,
     x: torch.Tensor,
     out: torch.Tensor,
     weights: torch.dtype,
+    pairs: bool,
 ) -> Any:
     """wavecore's C kernel on the same rows (`lora/native.py`), adapter weights in
-    `weights`; None where it did not build."""
+    `weights` (in pairs for AVX-512 BF16); None where it did not build."""
     build = native_build.delta_kernel()
-    if build.library is None:
+    if build.library is None or (pairs and not has_pairs(build.library)):
         return None
-    kernel = NativeKernel(kernel_function(build.library, weights), weights, SMOLLM_ONE_LAYER)
+    function = kernel_function(build.library, weights, pairs)
+    kernel = NativeKernel(function, weights, SMOLLM_ONE_LAYER, pairs)
     rows = kernel.rows([kernel.adapter(adapter) for adapter in adapters], owner)
     return lambda: rows.add(out, x, 0, "qkv")
 
@@ -519,18 +528,25 @@ def main() -> None:
     )
     print(f"{'device':<6} {'tokens':>6} {'adapters':>8} {'base ms':>8} {'wavecore ms':>11} "
           f"{'block-diag b ms':>15} {'sorted-gather ms':>16} {'gather-bmm ms':>13} "
-          f"{'bf16 oneDNN ms':>14} {'native f32 ms':>13} {'native bf16 ms':>14}")  # fmt: skip
+          f"{'bf16 oneDNN ms':>14} {'native f32 ms':>13} {'native bf16 ms':>14} "
+          f"{'native bf16 pairs ms':>20}")  # fmt: skip
     for row in kernels:
         shown = {
             key: "-" if row[key] is None else f"{row[key]:.3f}"
-            for key in ("bf16_onednn_ms", "block_diagonal_ms", "native_f32_ms", "native_bf16_ms")
+            for key in (
+                "bf16_onednn_ms",
+                "block_diagonal_ms",
+                "native_f32_ms",
+                "native_bf16_ms",
+                "native_bf16_pairs_ms",
+            )
         }
         print(
             f"{row['device']:<6} {row['tokens']:>6} {row['adapters']:>8} {row['base_ms']:>8.3f} "
             f"{row['wavecore_ms']:>11.3f} {shown['block_diagonal_ms']:>15} "
             f"{row['sorted_gather_ms']:>16.3f} {row['gather_bmm_ms']:>13.3f} "
             f"{shown['bf16_onednn_ms']:>14} {shown['native_f32_ms']:>13} "
-            f"{shown['native_bf16_ms']:>14}"
+            f"{shown['native_bf16_ms']:>14} {shown['native_bf16_pairs_ms']:>20}"
         )
     if not args.skip_engine:
         with tempfile.TemporaryDirectory() as root:
