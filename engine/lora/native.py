@@ -4,9 +4,10 @@ step, whatever the adapters and however their rows lie in the batch.
 `NativeAdapter` is an adapter as the kernel reads it: per layer and fused product a
 descriptor (`_Delta`) of its `a` (its columns padded with zeros to a multiple of 16, the
 kernel's vector width) and its targets' `b` blocks, in float32, or in bfloat16 beside
-a base whose kernels round to it (half the bytes a step streams; the sums stay float32).
-Each descriptor is checked against the model's shapes here, because the kernel trusts
-them. `NativeRows` is one step: each row's adapter (`owner`, -1 for the base model)
+a base whose kernels round to it (half the bytes a step streams; the sums stay float32),
+laid out in pairs of rows where the CPU has AVX-512 BF16 (`_in_pairs`). Each
+descriptor is checked against the model's shapes here, because the kernel trusts them.
+`NativeRows` is one step: each row's adapter (`owner`, -1 for the base model)
 and the step's adapters' tables; `add` runs the kernel on one product.
 
 Measured against torch's products (the grouped and stacked paths of `compute.py`) in
