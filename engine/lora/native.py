@@ -134,7 +134,6 @@ class NativeAdapter:
                     )
         self.table = table
         self.pointer = ctypes.cast(table, ctypes.POINTER(_Delta))  # what a step passes
-        self.num_bytes = sum(t.numel() * t.element_size() for t in self._tensors)
 
     def _describe(
         self, delta: FusedDelta, fan_in: int, width: int, dtype: torch.dtype, *, where: str

@@ -42,11 +42,12 @@ ADAPTERS = {
     # q, k and v at rank 24: 72 columns of `x @ a`, the kernel's 64-wide pass and a rest.
     "wide": {"rank": 24, "targets": ("q_proj", "k_proj", "v_proj")},
 }
-# Widths that are not multiples of 16 (the kernel's vector) or of 64 (its widest step).
+# Widths that are not multiples of 16 (the kernel's vector) or of 64 (its widest step),
+# and an odd input width (the pairs layout pads it).
 ODD_CONFIG = ModelConfig(
     architecture="llama",
     vocab_size=300,
-    hidden_size=40,
+    hidden_size=41,
     intermediate_size=72,
     num_layers=2,
     num_heads=4,
