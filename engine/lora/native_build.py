@@ -11,9 +11,10 @@ Rules:
 3. Optional: without a compiler, when the build or the load fails, or with
    `WAVECORE_LORA_KERNEL=torch`, there is no kernel and the reason says why; the
    deltas then run on torch's products (`compute.py`), the same sums, slower.
-4. OpenMP: the library links `libgomp.so.1`, which in a process that imported torch
-   (Linux wheels bundle GCC's runtime under that name) is torch's own, so the kernel's
-   threads are torch's thread pool, not a second one competing for the cores.
+4. OpenMP: built by GCC, the library links `libgomp.so.1`, which in a process that
+   imported torch (Linux wheels bundle GCC's runtime under that name) is torch's own,
+   so the kernel's threads are torch's pool, not a second one competing for the cores.
+   (A Clang build links LLVM's `libomp`: a second pool; `CC=gcc` avoids it.)
 5. Loaded as a `ctypes.PyDLL`: a call holds the GIL for its 20-100 us rather than
    handing it to the event loop's thread and waiting to take it back after every one
    of a step's 120 calls (end to end with one adapter, 0.88-0.90 of the base model's
