@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from lora_helpers import greedy_alone, write_adapter, write_tiny_model
 
 from wavecore.engine.cli.main import main
@@ -18,7 +19,9 @@ PROMPT = "Once upon a time, "
 TOKENS = 8
 
 
-def test_the_cli_runs_its_prompts_under_an_adapter(tmp_path: Path) -> None:
+def test_the_cli_runs_its_prompts_under_an_adapter(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model, adapter = write_tiny_model(tmp_path / "model"), write_adapter(tmp_path / "A", seed=1)
     executor = ModelExecutor(
         resolve_model_source(model),
@@ -45,3 +48,5 @@ def test_the_cli_runs_its_prompts_under_an_adapter(tmp_path: Path) -> None:
     assert main(argv) == 0
     (row,) = [json.loads(line) for line in output.read_text().splitlines()]
     assert row["token_ids"] == expected
+    # The summary says which path ran the deltas (the kernel, or torch's products).
+    assert "LoRA deltas" in capsys.readouterr().out
