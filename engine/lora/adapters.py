@@ -158,7 +158,7 @@ class StackedAdapters:
         self.layers = tuple(layers)
 
 
-def _fused_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+def fused_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
     """Each fused product's targets with the first output column each one fills."""
     q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
     return {
@@ -174,7 +174,7 @@ def build_adapter(request: LoRARequest, peft: PeftAdapter, config: ModelConfig) 
     layers = []
     for index in range(config.num_layers):
         fused: dict[str, FusedDelta | None] = {}
-        for product, parts in _fused_parts(config).items():
+        for product, parts in fused_parts(config).items():
             present = [
                 (t, col, peft.modules[(index, t)]) for t, col in parts if (index, t) in peft.modules
             ]

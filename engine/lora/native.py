@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from wavecore.engine.lora.adapters import PRODUCTS, Adapter, FusedDelta
+from wavecore.engine.lora.adapters import PRODUCTS, Adapter, FusedDelta, fused_parts
 from wavecore.engine.lora.native_build import delta_kernel
+from wavecore.engine.lora.peft_files import projection_shape
 
 if TYPE_CHECKING:  # the model package imports this one (through its executor)
     from wavecore.engine.model.config import ModelConfig
@@ -96,13 +97,14 @@ def _in_pairs(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def product_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """Each fused product's input and output widths."""
-    qkv = config.q_size + 2 * config.kv_size
+    """Each fused product's input and output widths: its targets' projections side by
+    side (`adapters.fused_parts`)."""
     return {
-        "qkv": (config.hidden_size, qkv),
-        "o": (config.q_size, config.hidden_size),
-        "gate_up": (config.hidden_size, 2 * config.intermediate_size),
-        "down": (config.intermediate_size, config.hidden_size),
+        product: (
+            projection_shape(config, parts[0][0])[0],
+            sum(projection_shape(config, target)[1] for target, _ in parts),
+        )
+        for product, parts in fused_parts(config).items()
     }
 
 
@@ -114,13 +116,12 @@ class NativeAdapter:
     def __init__(
         self,
         adapter: Adapter,
-        config: ModelConfig,
+        shapes: dict[str, tuple[int, int]],
         weight_dtype: torch.dtype,
         pairs: bool = False,
     ) -> None:
         self.name = adapter.request.name
         self._pairs = pairs
-        shapes = product_shapes(config)
         self._tensors: list[torch.Tensor] = []  # what the descriptors point into
         self._blocks: list[ctypes.Array[_Block]] = []
         table = (_Delta * (len(adapter.layers) * len(PRODUCTS)))()
@@ -259,12 +260,16 @@ class NativeKernel:
     weight_dtype: torch.dtype
     config: ModelConfig
     pairs: bool = False  # bfloat16 weights through AVX-512 BF16's dot products
+    shapes: dict[str, tuple[int, int]] = field(init=False)  # `product_shapes`, once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shapes", product_shapes(self.config))
 
     def adapter(self, adapter: Adapter) -> NativeAdapter:
-        return NativeAdapter(adapter, self.config, self.weight_dtype, self.pairs)
+        return NativeAdapter(adapter, self.shapes, self.weight_dtype, self.pairs)
 
     def rows(self, adapters: Sequence[NativeAdapter], owner: torch.Tensor) -> NativeRows:
-        return NativeRows(self.function, product_shapes(self.config), adapters, owner)
+        return NativeRows(self.function, self.shapes, adapters, owner)
 
     def describe(self) -> str:
         if self.weight_dtype == torch.float32:
