@@ -9,6 +9,7 @@ gives the same tokens on either."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from wavecore.engine.lora.native import (
     product_shapes,
     step_owner,
 )
-from wavecore.engine.lora.peft_files import read_peft_adapter
+from wavecore.engine.lora.peft_files import TARGETS, projection_shape, read_peft_adapter
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.executor import ModelExecutor
@@ -69,31 +70,25 @@ def fresh_build() -> Iterator[None]:
     native_build.delta_kernel.cache_clear()
 
 
+def built_library() -> ctypes.CDLL:
+    """The kernel's library; a machine with a C compiler must build it, one without
+    skips (its engine runs torch's products)."""
+    build = native_build.delta_kernel()
+    if build.library is None:
+        if shutil.which("cc") is not None:
+            pytest.fail(f"the LoRA kernel did not build: {build.reason}")
+        pytest.skip(build.reason)
+    return build.library
+
+
 def kernel(
     config: ModelConfig, weight_dtype: torch.dtype = torch.float32, pairs: bool = False
 ) -> NativeKernel:
-    build = native_build.delta_kernel()
-    if build.library is None:
-        if shutil.which("cc") is not None:  # a machine with a compiler must build it
-            pytest.fail(f"the LoRA kernel did not build: {build.reason}")
-        pytest.skip(build.reason)
-    if pairs and not has_pairs(build.library):
+    library = built_library()
+    if pairs and not has_pairs(library):
         pytest.skip("this CPU has no AVX-512 BF16")
-    function = kernel_function(build.library, weight_dtype, pairs)
+    function = kernel_function(library, weight_dtype, pairs)
     return NativeKernel(function, weight_dtype, config, pairs)
-
-
-def shapes_of(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    kv = config.num_kv_heads * config.head_dim
-    return {
-        "q_proj": (config.hidden_size, config.q_size),
-        "k_proj": (config.hidden_size, kv),
-        "v_proj": (config.hidden_size, kv),
-        "o_proj": (config.q_size, config.hidden_size),
-        "gate_proj": (config.hidden_size, config.intermediate_size),
-        "up_proj": (config.hidden_size, config.intermediate_size),
-        "down_proj": (config.intermediate_size, config.hidden_size),
-    }
 
 
 def adapters_for(root: Path, config: ModelConfig) -> list[Adapter]:
@@ -102,7 +97,7 @@ def adapters_for(root: Path, config: ModelConfig) -> list[Adapter]:
         directory = write_adapter(
             root / name,
             seed=seed,
-            shapes=shapes_of(config),
+            shapes={target: projection_shape(config, target) for target in TARGETS},
             layers=config.num_layers,
             **settings,  # type: ignore[arg-type]
         )
@@ -238,9 +233,7 @@ def test_step_owner_maps_runs_and_mixed_decodes_to_the_steps_adapters() -> None:
 
 def test_the_build_is_cached_and_optional(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    first = native_build.delta_kernel()
-    if first.library is None:
-        pytest.skip(first.reason)
+    built_library()
     built = list(native_build.cache_dir().glob("lora_delta-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
@@ -312,8 +305,7 @@ def test_an_executor_says_which_path_runs_and_both_give_the_same_tokens(
         finally:
             executor.close()
 
-    if native_build.delta_kernel().library is None:
-        pytest.skip("no LoRA kernel on this machine")
+    built_library()
     native = tokens("native kernel, float32 adapter weights")
     native_build.delta_kernel.cache_clear()
     monkeypatch.setenv(native_build.KERNEL_ENV, "torch")
