@@ -513,6 +513,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, shorter outputs")
     parser.add_argument("--skip-engine", action="store_true", help="the kernels only")
+    parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     machine = describe()
     result: dict[str, Any] = {"machine": machine}
@@ -591,9 +592,9 @@ def main() -> None:
                 f"{loads}"
             )
         print(f"kernels: {runs[0]['kernels']}")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {RESULTS}")
+    args.output.parent.mkdir(exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {args.output}")
 
 
 if __name__ == "__main__":
