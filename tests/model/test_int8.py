@@ -211,6 +211,8 @@ def test_quality_bench_runs_on_a_tiny_model(tiny_hf_dir: Path, tmp_path: Path) -
     assert results["positions"] > 100
     assert 0 < results["agreement"] <= 1
     assert results["float32_perplexity"] > 1 and results["int8_perplexity"] > 1
-    for row in results["candidates"].values():  # int8, and bf16 where the CPU has it
+    # int8 and woq (torch's CPU build has both kernels), bf16 where the CPU has it.
+    assert {"int8", "woq"} <= set(results["candidates"])
+    for row in results["candidates"].values():
         assert 0 < row["agreement"] <= 1 and isinstance(row["within_budget"], bool)
     assert results["candidates"]["int8"]["agreement"] == results["agreement"]
