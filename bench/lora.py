@@ -36,7 +36,10 @@ and for each kind every request on one adapter and spread over 4 adapters
 repeat starting one run later); throughput in generated tokens per second, its ratio to
 the base model's, and the load average (1 minute) after each run.
 
-Usage: python bench/lora.py [--quick] [--skip-engine]
+Prints a table per part and writes them as JSON (`--output`, by default
+bench/results/lora.json; name a file per CPU kind to keep each machine's figures).
+
+Usage: python bench/lora.py [--quick] [--skip-engine] [--output FILE]
 """
 
 from __future__ import annotations
