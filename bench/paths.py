@@ -17,8 +17,9 @@ matrix at; a batch-1 step reads every weight once (in the form its plan runs one
 on: `streamed_weight_bytes`), so that rate over those bytes bounds its batch-1 decode.
 
 `--emulate-cpu-without-bf16` runs everything as on the CPUs of these machines that have
-AVX-512 VNNI but no AMX or AVX-512 BF16 (the AMD EPYCs, Xeons before Sapphire Rapids),
-on one that has them: oneDNN capped at that instruction set (`ONEDNN_MAX_CPU_ISA`),
+AVX-512 VNNI but no AMX or AVX-512 BF16 (Xeons before Cooper Lake, and EPYCs that do
+not report avx512_bf16; the Zen 4 EPYC of the README does), on one that has them:
+oneDNN capped at that instruction set (`ONEDNN_MAX_CPU_ISA`),
 wavecore told the CPU has no native bfloat16 (`WAVECORE_CPU_BF16=off`), and the kernel
 plans measured afresh in a cache of the run's own; clocks and memory stay this
 machine's, so read the ratios.
