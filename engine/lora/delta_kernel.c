@@ -184,7 +184,44 @@ static inline __m512bh pair(const uint16_t *p)
 
 static inline __m512bh pairs_at(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
 
-/* h[r][0:R] = xb[r] @ a for nr <= GROUP rows already rounded (in_pad even). */
+/* acc[r][q] += w[:, col + 16q : col + 16q + 16] . x[r] for q < 4 and nr <= GROUP rows:
+ * w is `pairs` rows of `width` bfloat16 pairs, x[r] the row at x + r * x_stride, both the
+ * shrink's (w = a, x = the rounded input) and the expand's (w = b, x = the rounded h). */
+static inline __attribute__((always_inline)) void dot_pairs_64(
+    const int nr, __m512 acc[][4], const uint16_t *w, int width, int col, const uint16_t *x,
+    int x_stride, int pairs)
+{
+    for (int k = 0; k < pairs; k++) {
+        const uint16_t *wk = w + ((long)k * width + col) * 2;
+        __m512bh w0 = pairs_at(wk), w1 = pairs_at(wk + 32);
+        __m512bh w2 = pairs_at(wk + 64), w3 = pairs_at(wk + 96);
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++) {
+            __m512bh xv = pair(x + r * x_stride + 2 * k);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xv);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xv);
+        }
+    }
+}
+
+/* The same for one strip of 16 columns, the lanes outside `mask` read as zeros (they may
+ * lie past `width`, in the next pairs' row: the caller masks them out of its store). */
+static inline __attribute__((always_inline)) void dot_pairs_16(
+    const int nr, __m512 acc[], const uint16_t *w, int width, int col, __mmask16 mask,
+    const uint16_t *x, int x_stride, int pairs)
+{
+    for (int k = 0; k < pairs; k++) {
+        __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi32(mask, w + ((long)k * width + col) * 2);
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], w0, pair(x + r * x_stride + 2 * k));
+    }
+}
+
+/* h[r][0:R] = xb[r] @ a for nr <= GROUP rows already rounded (in_pad even; R a multiple
+ * of 16). */
 static inline __attribute__((always_inline)) void shrink_pairs(
     const int nr, const uint16_t *xb, int in_pad, const uint16_t *a, int R, float *h)
 {
@@ -195,19 +232,7 @@ static inline __attribute__((always_inline)) void shrink_pairs(
         for (int r = 0; r < nr; r++)
 #pragma GCC unroll 4
             for (int q = 0; q < 4; q++) acc[r][q] = _mm512_setzero_ps();
-        for (int k = 0; k < in_pad / 2; k++) {
-            const uint16_t *ak = a + ((long)k * R + c) * 2;
-            __m512bh a0 = pairs_at(ak), a1 = pairs_at(ak + 32);
-            __m512bh a2 = pairs_at(ak + 64), a3 = pairs_at(ak + 96);
-#pragma GCC unroll 4
-            for (int r = 0; r < nr; r++) {
-                __m512bh xv = pair(xb + r * in_pad + 2 * k);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a0, xv);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a1, xv);
-                acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a2, xv);
-                acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a3, xv);
-            }
-        }
+        dot_pairs_64(nr, acc, a, R, c, xb, in_pad, in_pad / 2);
 #pragma GCC unroll 4
         for (int r = 0; r < nr; r++)
 #pragma GCC unroll 4
@@ -217,12 +242,7 @@ static inline __attribute__((always_inline)) void shrink_pairs(
         __m512 acc[GROUP];
 #pragma GCC unroll 4
         for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
-        for (int k = 0; k < in_pad / 2; k++) {
-            __m512bh a0 = pairs_at(a + ((long)k * R + c) * 2);
-#pragma GCC unroll 4
-            for (int r = 0; r < nr; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], a0, pair(xb + r * in_pad + 2 * k));
-        }
+        dot_pairs_16(nr, acc, a, R, c, 0xFFFF, xb, in_pad, in_pad / 2);
 #pragma GCC unroll 4
         for (int r = 0; r < nr; r++) _mm512_storeu_ps(h + r * R + c, acc[r]);
     }
@@ -233,7 +253,6 @@ static inline __attribute__((always_inline)) void expand_pairs(
     const int nr, float *const *out, const uint16_t *hb, int pairs, const wc_block *blk)
 {
     const int width = blk->out_stop - blk->out_start;
-    const uint16_t *b = blk->b;
     int o = 0;
     for (; o + 64 <= width; o += 64) {
         __m512 acc[GROUP][4];
@@ -242,19 +261,7 @@ static inline __attribute__((always_inline)) void expand_pairs(
 #pragma GCC unroll 4
             for (int q = 0; q < 4; q++)
                 acc[r][q] = _mm512_loadu_ps(out[r] + blk->out_start + o + 16 * q);
-        for (int j = 0; j < pairs; j++) {
-            const uint16_t *bj = b + ((long)j * width + o) * 2;
-            __m512bh b0 = pairs_at(bj), b1 = pairs_at(bj + 32);
-            __m512bh b2 = pairs_at(bj + 64), b3 = pairs_at(bj + 96);
-#pragma GCC unroll 4
-            for (int r = 0; r < nr; r++) {
-                __m512bh hv = pair(hb + r * 2 * pairs + 2 * j);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b0, hv);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b1, hv);
-                acc[r][2] = _mm512_dpbf16_ps(acc[r][2], b2, hv);
-                acc[r][3] = _mm512_dpbf16_ps(acc[r][3], b3, hv);
-            }
-        }
+        dot_pairs_64(nr, acc, blk->b, width, o, hb, 2 * pairs, pairs);
 #pragma GCC unroll 4
         for (int r = 0; r < nr; r++)
 #pragma GCC unroll 4
@@ -268,13 +275,7 @@ static inline __attribute__((always_inline)) void expand_pairs(
 #pragma GCC unroll 4
         for (int r = 0; r < nr; r++)
             acc[r] = _mm512_maskz_loadu_ps(mask, out[r] + blk->out_start + o);
-        for (int j = 0; j < pairs; j++) {
-            /* The lanes past `width` read the next pairs' row (or zeros): masked out below. */
-            __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi32(mask, b + ((long)j * width + o) * 2);
-#pragma GCC unroll 4
-            for (int r = 0; r < nr; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], b0, pair(hb + r * 2 * pairs + 2 * j));
-        }
+        dot_pairs_16(nr, acc, blk->b, width, o, mask, hb, 2 * pairs, pairs);
 #pragma GCC unroll 4
         for (int r = 0; r < nr; r++) _mm512_mask_storeu_ps(out[r] + blk->out_start + o, mask, acc[r]);
     }
