@@ -53,7 +53,7 @@ from wavecore.engine.lora.native import native_kernel, step_owner
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.lora.store import LoRAStore
 from wavecore.engine.model.batch_plan import CacheGeometry, ForwardPlan, plan_forward
-from wavecore.engine.model.compiled_decode import CompiledDecode
+from wavecore.engine.model.compiled_decode import INT8_NOT_COMPILED, CompiledDecode
 from wavecore.engine.model.config import ModelConfig
 from wavecore.engine.model.dtypes import (
     DeviceSpec,
@@ -148,6 +148,8 @@ class ModelExecutor:
             raise ValueError(
                 f"weights='int8' computes in float32; dtype {dtype!r} cannot go with it"
             )
+        if self._weights == "int8" and compile_decode:
+            raise ValueError(INT8_NOT_COMPILED)
         # The KV cache takes its own dtype (`dtypes.pick_kv_cache_dtype`): bfloat16 for
         # "auto" beside a plan that rounds to it, which is known only once the plan is.
         kv_if_rounding = pick_kv_cache_dtype(
@@ -233,7 +235,10 @@ class ModelExecutor:
             )
         self._draft: Drafter | None = None
         self._closed = False
-        self._compiled = CompiledDecode() if compile_decode else None
+        # A plan of "auto" weights may run int8 for batch 1 on some CPU: that step then
+        # stays eager, and `path_report` says why.
+        self._compile_skipped = compile_decode and self.kernels.plan.decode == "fbgemm"
+        self._compiled = CompiledDecode() if compile_decode and not self._compile_skipped else None
         if self._compiled is not None:
             self._compile_decode()
 
@@ -308,6 +313,8 @@ class ModelExecutor:
         report = self.kernels.report()
         if self._compiled is not None:
             report["decode"] += " (compiled)"
+        elif self._compile_skipped:
+            report["decode"] += " (not compiled: int8 products break the graph)"
         report["kv_cache"] = dtype_name(self._kv_dtype)
         if self._lora_path:
             report["lora"] = self._lora_path

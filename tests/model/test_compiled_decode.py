@@ -5,6 +5,7 @@ cache, other steps eager, and a machine that cannot compile refused at load."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from wavecore.engine.config import EngineConfig
 from wavecore.engine.model import ModelExecutor, load_executor
 from wavecore.engine.model import compiled_decode as compiled_module
 from wavecore.engine.model.errors import CompileDecodeError
+from wavecore.engine.model.kernel_plan import FORCE_ENV
 
 pytestmark = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
@@ -131,6 +133,23 @@ def test_the_setting_is_a_bool() -> None:
         EngineConfig(compile_decode="yes")  # type: ignore[arg-type]
 
 
+def test_int8_products_are_never_compiled(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule 1: they cannot be traced, so the graph would break at each of them."""
+    with pytest.raises(ValueError, match="compile_decode cannot go with weights='int8'"):
+        EngineConfig(compile_decode=True, weights="int8")
+    with pytest.raises(ValueError, match="fbgemm's int8 products cannot be traced"):
+        load_executor(str(tiny_gguf), weights="int8", compile_decode=True)
+    # An "auto" plan that runs int8 for batch 1 keeps that step eager, and says so.
+    monkeypatch.setenv(FORCE_ENV, "decode=fbgemm")
+    executor = load_executor(str(tiny_gguf), kv_cache_memory=2**20, compile_decode=True)
+    try:
+        assert not executor.compiles_decode
+        decode = executor.path_report()["decode"]
+        assert decode == "fbgemm (not compiled: int8 products break the graph)"
+    finally:
+        executor.close()
+
+
 def test_steps_from_another_thread_take_the_compiled_graph(
     compiled: ModelExecutor, eager: ModelExecutor
 ) -> None:
@@ -142,3 +161,69 @@ def test_steps_from_another_thread_take_the_compiled_graph(
     worker.join(120)
     assert results == [greedy_alone(eager, PROMPT, 12)]
     assert graphs() == before
+
+
+def test_a_model_or_cache_of_another_layout_gets_a_graph_of_its_own(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rule 5: without dynamo's guards on the model and the cache, nothing but the
+    layout check stands between a graph and a model it was not made for."""
+    made: list[object] = []
+
+    def counted() -> object:
+        made.append(object())
+        return compiled_module._one_decode  # eager: the test is about which graph serves
+
+    monkeypatch.setattr(compiled_module, "_compile", counted)
+    decode = compiled_module.CompiledDecode()
+    executors = {
+        dtype: load_executor(
+            str(tiny_gguf), weights="float32", kv_cache_memory=64 * 2**10, kv_cache_dtype=dtype
+        )
+        for dtype in ("float32", "bfloat16")
+    }
+    try:
+
+        def run(dtype: str) -> None:
+            executor = executors[dtype]
+            model, cache = executor._ready()
+            decode(model, executor._scratch_plan(decode=True), cache)
+
+        run("float32")
+        run("float32")
+        assert len(made) == 1
+        executors["float32"].sleep(2)  # new weights and cache objects, the same layout
+        executors["float32"].wake_up(frozenset({"weights", "kv_cache"}))
+        run("float32")
+        assert len(made) == 1
+        run("bfloat16")  # pools of another dtype
+        assert len(made) == 2
+        run("float32")
+        assert len(made) == 3
+    finally:
+        for executor in executors.values():
+            executor.close()
+
+
+def test_the_layout_sees_what_a_graph_depends_on_and_not_the_values(
+    compiled: ModelExecutor,
+) -> None:
+    model, cache = compiled._ready()
+
+    def layout(*values: object) -> object:
+        return compiled_module._layout(values, {})
+
+    weights = model.weights
+    norm = weights.final_norm
+    renewed = dataclasses.replace(weights, final_norm=torch.randn_like(norm))
+    assert layout(renewed, cache) == layout(weights, cache)  # contents do not count
+    for changed in (
+        norm.to(torch.float64),  # dtype
+        norm.repeat(2)[::2],  # strides
+        norm[:-1],  # shape
+        weights.layers[0].attn_norm,  # the same tensor twice: an alias
+    ):
+        other = dataclasses.replace(weights, final_norm=changed)
+        assert layout(other, cache) != layout(weights, cache), changed
+    assert layout(1e-5) == layout(1e-5) != layout(1e-6)  # constants are compiled in
+    assert layout(float("nan")) == layout(float("nan"))
