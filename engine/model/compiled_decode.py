@@ -42,9 +42,9 @@ Theory of operation:
    per-step inputs (tokens, positions, slots, block table, context) keep their guards.
    This holds because the executor never changes a model or a cache in place (beyond
    the pools' contents): an update or a wake-up builds new objects. An object with
-   nothing to look into (fbgemm's packed int8 weights) matches only itself, so with
-   `weights="int8"` each update compiles anew. Measured on that EPYC in alternating rounds: 1.08x the step without the guards,
-   1.06x more without the asserts.
+   nothing to look into matches only itself (a new one compiles anew). Measured on that
+   EPYC in alternating rounds: 1.08x the step without the guards, 1.06x more without
+   the asserts.
 6. The graph's wrapper, the code that calls its ~10 kernels a layer (fused loops, the
    products, attention), is C++ (inductor's `cpp_wrapper`), not Python: a step's 300-odd
    calls then cost no Python dispatch each. 1.06x again on that EPYC (8.89 -> 8.30 ms
