@@ -59,10 +59,10 @@ import torch
 from machine import describe, on_a_thread_of_its_own
 from safetensors.torch import save_file
 
+from wavecore.engine import native_build
 from wavecore.engine.api import open_engine
 from wavecore.engine.config import EngineConfig
 from wavecore.engine.executors.batch import ModelBatch, SequenceChunk
-from wavecore.engine.lora import native_build
 from wavecore.engine.lora.adapters import (
     Adapter,
     AdapterLayer,
@@ -71,7 +71,13 @@ from wavecore.engine.lora.adapters import (
     TargetSpan,
 )
 from wavecore.engine.lora.compute import LoRARows, MixedDecodes, add_lora
-from wavecore.engine.lora.native import NativeKernel, has_pairs, kernel_function
+from wavecore.engine.lora.native import (
+    DELTA_KERNEL,
+    NativeKernel,
+    delta_kernel,
+    has_pairs,
+    kernel_function,
+)
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.model import load_executor
 from wavecore.engine.model.config import ModelConfig
@@ -272,10 +278,10 @@ def _native_delta(
 ) -> Any:
     """wavecore's C kernel on the same rows (`lora/native.py`), adapter weights in
     `weights` (in pairs for AVX-512 BF16); None where it did not build."""
-    build = native_build.delta_kernel()
-    if build.library is None or (pairs and not has_pairs(build.library)):
+    built = delta_kernel()
+    if built.library is None or (pairs and not has_pairs(built.library)):
         return None
-    function = kernel_function(build.library, weights, pairs)
+    function = kernel_function(built.library, weights, pairs)
     kernel = NativeKernel(function, weights, SMOLLM_ONE_LAYER, pairs)
     rows = kernel.rows([kernel.adapter(adapter) for adapter in adapters], owner)
     return lambda: rows.add(out, x, 0, "qkv")
@@ -404,17 +410,17 @@ def _rotated(names: list[str], repeat: int) -> list[str]:
 def _executor(kernel: str, max_loras: int) -> Any:
     """An executor whose deltas run on `kernel`: "native" (the C kernel) or "torch"
     (torch's products), as `WAVECORE_LORA_KERNEL` says at its load."""
-    saved = os.environ.get(native_build.KERNEL_ENV)
-    os.environ[native_build.KERNEL_ENV] = kernel
-    native_build.delta_kernel.cache_clear()
+    saved = os.environ.get(DELTA_KERNEL.env)
+    os.environ[DELTA_KERNEL.env] = kernel
+    native_build.build.cache_clear()
     try:
         return load_executor(None, enable_lora=True, max_loras=max_loras)
     finally:
         if saved is None:
-            del os.environ[native_build.KERNEL_ENV]
+            del os.environ[DELTA_KERNEL.env]
         else:
-            os.environ[native_build.KERNEL_ENV] = saved
-        native_build.delta_kernel.cache_clear()
+            os.environ[DELTA_KERNEL.env] = saved
+        native_build.build.cache_clear()
 
 
 def executor_step(kinds: dict[str, list[LoRARequest]], quick: bool) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@
  * x, and of h, to bfloat16 (as the base's own bfloat16 kernels round the rows they
  * take); the sums stay float32. `wc_lora_pairs` says whether it was built.
  *
- * Compiled at first use by `native_build.py` (`cc -O3 -march=native -fopenmp`); the
+ * Compiled at first use by `engine/native_build.py` (`cc -O3 -march=native -fopenmp`); the
  * vectors are GCC's generic ones, so the same source builds wherever GCC or Clang
  * does, with the widest registers the CPU has. Python (`native.py`) checks every
  * descriptor against the model's shapes when it builds one; this file trusts them.

@@ -19,17 +19,21 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from wavecore.engine.lora.adapters import PRODUCTS, Adapter, FusedDelta, fused_parts
-from wavecore.engine.lora.native_build import delta_kernel
 from wavecore.engine.lora.peft_files import projection_shape
+from wavecore.engine.native_build import KernelBuild, KernelSource, build
 
 if TYPE_CHECKING:  # the model package imports this one (through its executor)
     from wavecore.engine.model.config import ModelConfig
 
+DELTA_KERNEL = KernelSource(
+    Path(__file__).with_name("delta_kernel.c"), "lora_delta", "WAVECORE_LORA_KERNEL"
+)
 _VECTOR = 16  # floats per vector in the kernel: `a`'s columns are padded to a multiple
 _ENTRY = {product: index for index, product in enumerate(PRODUCTS)}
 
@@ -279,6 +283,11 @@ class NativeKernel:
         return "native kernel, bfloat16 adapter weights"
 
 
+def delta_kernel() -> KernelBuild:
+    """The LoRA kernel's library for this process (`native_build.build`)."""
+    return build(DELTA_KERNEL)
+
+
 def native_kernel(
     config: ModelConfig, device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype
 ) -> tuple[NativeKernel | None, str]:
@@ -286,10 +295,10 @@ def native_kernel(
     the deltas, in words (for `path_report`)."""
     if device.type != "cpu" or dtype != torch.float32:
         return None, f"torch products (the kernel takes float32 on a CPU, not {dtype} on {device})"
-    build = delta_kernel()
-    if build.library is None:
-        return None, f"torch products ({build.reason})"
-    pairs = weight_dtype == torch.bfloat16 and has_pairs(build.library)
-    function = kernel_function(build.library, weight_dtype, pairs)
+    built = delta_kernel()
+    if built.library is None:
+        return None, f"torch products ({built.reason})"
+    pairs = weight_dtype == torch.bfloat16 and has_pairs(built.library)
+    function = kernel_function(built.library, weight_dtype, pairs)
     kernel = NativeKernel(function, weight_dtype, config, pairs)
     return kernel, kernel.describe()

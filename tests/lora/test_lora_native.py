@@ -20,11 +20,13 @@ import pytest
 import torch
 from lora_helpers import TINY_CONFIG, greedy_alone, write_adapter, write_tiny_model
 
-from wavecore.engine.lora import native_build
+from wavecore.engine import native_build
 from wavecore.engine.lora.adapters import PRODUCTS, Adapter, build_adapter
 from wavecore.engine.lora.compute import LoRARows, add_lora
 from wavecore.engine.lora.native import (
+    DELTA_KERNEL,
     NativeKernel,
+    delta_kernel,
     has_pairs,
     kernel_function,
     product_shapes,
@@ -65,15 +67,15 @@ ODD_CONFIG = ModelConfig(
 @pytest.fixture(autouse=True)
 def fresh_build() -> Iterator[None]:
     """Each test builds (or loads) the kernel under its own environment."""
-    native_build.delta_kernel.cache_clear()
+    native_build.build.cache_clear()
     yield
-    native_build.delta_kernel.cache_clear()
+    native_build.build.cache_clear()
 
 
 def built_library() -> ctypes.CDLL:
     """The kernel's library; a machine with a C compiler must build it, one without
     skips (its engine runs torch's products)."""
-    build = native_build.delta_kernel()
+    build = delta_kernel()
     if build.library is None:
         if shutil.which("cc") is not None:
             pytest.fail(f"the LoRA kernel did not build: {build.reason}")
@@ -238,26 +240,26 @@ def test_the_build_is_cached_and_optional(tmp_path: Path, monkeypatch: pytest.Mo
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     # A second process (here: the cache cleared) loads the same file, compiling nothing.
-    native_build.delta_kernel.cache_clear()
+    native_build.build.cache_clear()
     monkeypatch.setattr(native_build, "_compile", lambda *_: pytest.fail("compiled again"))
-    assert native_build.delta_kernel().library is not None
+    assert delta_kernel().library is not None
     assert built[0].stat().st_mtime_ns == stamp
     for env, value, reason in [
         ("CC", "/nonexistent/cc", "no C compiler"),
         ("CC", "false", "--version failed"),
-        (native_build.KERNEL_ENV, "torch", "WAVECORE_LORA_KERNEL=torch"),
+        (DELTA_KERNEL.env, "torch", "WAVECORE_LORA_KERNEL=torch"),
     ]:
-        native_build.delta_kernel.cache_clear()
+        native_build.build.cache_clear()
         with monkeypatch.context() as patch:
             patch.setenv(env, value)
-            build = native_build.delta_kernel()
+            build = delta_kernel()
         assert build.library is None
         assert reason in build.reason
-    native_build.delta_kernel.cache_clear()
+    native_build.build.cache_clear()
     with monkeypatch.context() as patch:
-        patch.setenv(native_build.KERNEL_ENV, "fast")
+        patch.setenv(DELTA_KERNEL.env, "fast")
         with pytest.raises(ValueError, match="must be 'native', 'torch' or unset"):
-            native_build.delta_kernel()
+            delta_kernel()
 
 
 def test_a_compiler_that_fails_leaves_the_torch_path(
@@ -269,7 +271,7 @@ def test_a_compiler_that_fails_leaves_the_torch_path(
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    build = native_build.delta_kernel()
+    build = delta_kernel()
     assert build.library is None
     assert "failed to build delta_kernel.c: error: no" in build.reason
     assert not list(native_build.cache_dir().glob("lora_delta-*"))  # nothing half written
@@ -307,8 +309,8 @@ def test_an_executor_says_which_path_runs_and_both_give_the_same_tokens(
 
     built_library()
     native = tokens("native kernel, float32 adapter weights")
-    native_build.delta_kernel.cache_clear()
-    monkeypatch.setenv(native_build.KERNEL_ENV, "torch")
+    native_build.build.cache_clear()
+    monkeypatch.setenv(DELTA_KERNEL.env, "torch")
     assert tokens("torch products (WAVECORE_LORA_KERNEL=torch)") == native
 
 

@@ -1,4 +1,5 @@
-"""Building the C kernel of LoRA deltas (`delta_kernel.c`) for this machine, once.
+"""Building the package's C kernels for this machine, once each: the LoRA deltas
+(`lora/delta_kernel.c`) and decode attention (`model/decode_attention.c`).
 
 Rules:
 1. Built at first use by the C compiler (`$CC`, else `cc`), `-O3 -march=native
@@ -8,18 +9,18 @@ Rules:
    second process on the same machine loads the file without compiling.
 2. The library is written to a temporary file and renamed into place, so no process
    loads half a file; two building at once both write the same bytes, the last wins.
-3. Optional: without a compiler, when the build or the load fails, or with
-   `WAVECORE_LORA_KERNEL=torch`, there is no kernel and the reason says why; the
-   deltas then run on torch's products (`compute.py`), the same sums, slower.
+3. Optional: without a compiler, when the build or the load fails, or with the
+   kernel's variable set to `torch` (`KernelSource.env`), there is no kernel and the
+   reason says why; the caller then runs torch's ops, the same sums, slower.
 4. OpenMP: built by GCC, the library links `libgomp.so.1`, which in a process that
    imported torch (Linux wheels bundle GCC's runtime under that name) is torch's own,
    so the kernel's threads are torch's pool, not a second one competing for the cores.
    (A Clang build links LLVM's `libomp`: a second pool; `CC=gcc` avoids it.)
-5. Loaded as a `ctypes.PyDLL`: a call holds the GIL for its 20-100 us rather than
+5. Loaded as a `ctypes.PyDLL`: a call holds the GIL for its 5-100 us rather than
    handing it to the event loop's thread and waiting to take it back after every one
-   of a step's 120 calls (end to end with one adapter, 0.88-0.90 of the base model's
+   of a step's calls (end to end with one LoRA adapter, 0.88-0.90 of the base model's
    throughput against 0.86-0.88 through `ctypes.CDLL`, runs alternated).
-6. Built and loaded once per process (`delta_kernel`).
+6. Built and loaded once per process and source (`build`).
 """
 
 from __future__ import annotations
@@ -35,10 +36,18 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("delta_kernel.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-KERNEL_ENV = "WAVECORE_LORA_KERNEL"
 _COMPILE_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSource:
+    """One C kernel: its source, its library's name in the cache, and the environment
+    variable that turns it off ("torch") or on ("native", the default)."""
+
+    source: Path
+    stem: str
+    env: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +64,13 @@ def cache_dir() -> Path:
 
 
 @cache
-def delta_kernel() -> KernelBuild:
-    """The kernel library for this process (built, or loaded from the cache)."""
-    setting = os.environ.get(KERNEL_ENV, "")
+def build(kernel: KernelSource) -> KernelBuild:
+    """`kernel`'s library for this process (built, or loaded from the cache)."""
+    setting = os.environ.get(kernel.env, "")
     if setting not in ("", "native", "torch"):
-        raise ValueError(f"{KERNEL_ENV} must be 'native', 'torch' or unset, got {setting!r}")
+        raise ValueError(f"{kernel.env} must be 'native', 'torch' or unset, got {setting!r}")
     if setting == "torch":
-        return KernelBuild(None, f"{KERNEL_ENV}=torch")
+        return KernelBuild(None, f"{kernel.env}=torch")
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         return KernelBuild(None, f"no C compiler ({compiler!r} is not on PATH)")
@@ -71,13 +80,13 @@ def delta_kernel() -> KernelBuild:
         ).stdout.splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError) as error:
         return KernelBuild(None, f"{compiler} --version failed: {error}")
-    source = SOURCE.read_bytes()
+    source = kernel.source.read_bytes()
     digest = hashlib.sha256(
         b"\0".join([source, version.encode(), " ".join(FLAGS).encode(), _cpu_identity()])
     ).hexdigest()[:20]
-    target = cache_dir() / f"lora_delta-{digest}.so"
+    target = cache_dir() / f"{kernel.stem}-{digest}.so"
     if not target.exists():
-        failure = _compile(compiler, target)
+        failure = _compile(compiler, kernel.source, target)
         if failure is not None:
             return KernelBuild(None, failure)
     try:
@@ -87,24 +96,24 @@ def delta_kernel() -> KernelBuild:
     return KernelBuild(library, f"built by {version}")
 
 
-def _compile(compiler: str, target: Path) -> str | None:
+def _compile(compiler: str, source: Path, target: Path) -> str | None:
     """Compile into `target` atomically; the failure's reason, or None."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
             result = subprocess.run(
-                [compiler, *FLAGS, "-o", str(built), str(SOURCE)],
+                [compiler, *FLAGS, "-o", str(built), str(source)],
                 capture_output=True,
                 text=True,
                 timeout=_COMPILE_TIMEOUT_S,
             )
             if result.returncode != 0:
                 detail = (result.stderr.strip().splitlines() or ["no output"])[-1]
-                return f"{compiler} failed to build {SOURCE.name}: {detail}"
+                return f"{compiler} failed to build {source.name}: {detail}"
             os.replace(built, target)
     except (OSError, subprocess.SubprocessError) as error:
-        return f"cannot build {SOURCE.name} into {target.parent}: {error}"
+        return f"cannot build {source.name} into {target.parent}: {error}"
     return None
 
 
