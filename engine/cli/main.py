@@ -347,6 +347,8 @@ def summary_table(
         rows.append(("kernels", f"{plan} ({kernels.get('origin', '?')})"))
         if "kv_cache" in kernels:
             rows.append(("KV cache", kernels["kv_cache"]))
+        if "attention" in kernels:  # a bfloat16 cache: the C kernel or torch's
+            rows.append(("decode attention", kernels["attention"]))
         if "lora" in kernels:  # with --enable-lora: which path runs the adapters' deltas
             rows.append(("LoRA deltas", kernels["lora"]))
     for what, value in rows:

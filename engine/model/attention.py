@@ -19,6 +19,10 @@ differ:
   never tokens; a chunk already carries enough work to amortize the call, and
   batching chunks of different lengths would pad to the longest.
 
+Over a bfloat16 cache on the CPU, decodes instead run the C kernel of
+`native_attention.py`: each sequence read from its blocks in place to its own length,
+in float32, no group, padding or mask (its rule 1 says where it applies).
+
 Grouped-query attention is handled by viewing the query heads as
 `[kv_heads, group]`, so keys and values are never repeated in memory. A decode's
 queries of one KV head are all at the same position, so they are passed to the
@@ -35,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from wavecore.engine.model import native_attention
+
 # On a GPU, cuDNN's fused attention builds an execution plan for every new shape, and a
 # decode's context grows by one token a step: measured on an H200, 40 ms a step for
 # plans against 8 ms for the whole step without them. The other fused kernels take any
@@ -50,6 +56,7 @@ class DecodeAttention:
     num_tokens: int
     block_tables: torch.Tensor  # [num_tokens, max_blocks] int64, padded with the scratch block
     context_len: int  # the longest context of any of these sequences
+    context_lens: torch.Tensor  # [num_tokens] int64: each sequence's context
     mask: torch.Tensor | None  # [num_tokens, 1, 1, context_len] bool, True: visible
 
 
@@ -79,22 +86,44 @@ def paged_attention(
 ) -> torch.Tensor:
     """`queries` `[tokens, heads, head_dim]` -> outputs of the same shape and dtype.
 
-    The pools must already hold this pass's keys and values. Attention runs in the
-    pools' dtype (the queries are rounded to it: the fused kernels take one dtype).
+    The pools must already hold this pass's keys and values. Decodes over a bfloat16
+    cache on the CPU run the C kernel (`native_attention.py`), in float32; the rest runs
+    torch's fused kernels in the pools' dtype (the queries rounded to it: they take one
+    dtype), and then the whole output is kept in that dtype until the end.
     """
     dtype = queries.dtype
-    queries = queries.to(key_pool.dtype)
+    native = native_attention.usable(queries, key_pool)
+    if native and len(plan.decodes) == 1 and not plan.prefills:
+        return _native_decode(queries, key_pool, value_pool, plan.decodes[0], scale)
+    rounded = queries.to(key_pool.dtype)
     with sdpa_kernel(_CUDA_BACKENDS) if queries.is_cuda else nullcontext():
         if len(plan.decodes) == 1 and not plan.prefills:
-            return _decode(queries, key_pool, value_pool, plan.decodes[0], scale).to(dtype)
-        out = torch.empty_like(queries)
+            return _decode(rounded, key_pool, value_pool, plan.decodes[0], scale).to(dtype)
+        # The kernel's float32 decodes are kept as they are (a prefill's output widens
+        # exactly), so a decode gives the same alone as in any batch.
+        out = torch.empty_like(queries if native else rounded)
         for decode in plan.decodes:
             rows = slice(decode.token_start, decode.token_start + decode.num_tokens)
-            out[rows] = _decode(queries[rows], key_pool, value_pool, decode, scale)
+            if native:
+                out[rows] = _native_decode(queries[rows], key_pool, value_pool, decode, scale)
+            else:
+                out[rows] = _decode(rounded[rows], key_pool, value_pool, decode, scale)
         for prefill in plan.prefills:
             rows = slice(prefill.token_start, prefill.token_start + prefill.num_tokens)
-            out[rows] = _prefill(queries[rows], key_pool, value_pool, prefill, scale)
+            out[rows] = _prefill(rounded[rows], key_pool, value_pool, prefill, scale)
         return out.to(dtype)
+
+
+def _native_decode(
+    queries: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    decode: DecodeAttention,
+    scale: float,
+) -> torch.Tensor:
+    return native_attention.decode_attention(
+        queries, key_pool, value_pool, decode.block_tables, decode.context_lens, scale
+    )
 
 
 def _decode(

@@ -228,16 +228,17 @@ def _decode_plan(
         for c, n in zip(decodes, lengths, strict=True)
     ]
     context = max(lengths)
+    context_lens = torch.tensor(lengths, dtype=torch.int64).to(device)
     mask = None
     if min(lengths) < context:
         slots = torch.arange(context, device=device)
-        lengths_tensor = torch.tensor(lengths, dtype=torch.int64).to(device)
-        mask = (slots[None, :] < lengths_tensor[:, None])[:, None, None, :]
+        mask = (slots[None, :] < context_lens[:, None])[:, None, None, :]
     return DecodeAttention(
         token_start=token_start,
         num_tokens=len(decodes),
         block_tables=torch.tensor(tables, dtype=torch.int64).to(device),
         context_len=context,
+        context_lens=context_lens,
         mask=mask,
     )
 

@@ -89,7 +89,12 @@ def _one_decode(
     context: int,
 ) -> torch.Tensor:
     attention = DecodeAttention(
-        token_start=0, num_tokens=1, block_tables=table, context_len=context, mask=None
+        token_start=0,
+        num_tokens=1,
+        block_tables=table,
+        context_len=context,
+        context_lens=positions + 1,
+        mask=None,
     )
     plan = ForwardPlan(
         token_ids=token_ids,

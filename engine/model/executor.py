@@ -52,6 +52,7 @@ from wavecore.engine.lora.compute import LoRARows, MixedDecodes
 from wavecore.engine.lora.native import native_kernel, step_owner
 from wavecore.engine.lora.request import LoRARequest
 from wavecore.engine.lora.store import LoRAStore
+from wavecore.engine.model import native_attention
 from wavecore.engine.model.batch_plan import CacheGeometry, ForwardPlan, plan_forward
 from wavecore.engine.model.compiled_decode import INT8_NOT_COMPILED, CompiledDecode
 from wavecore.engine.model.config import ModelConfig
@@ -308,14 +309,17 @@ class ModelExecutor:
 
     def path_report(self) -> dict[str, str]:
         """Which path runs, for `stats()`: the CPU, each shape class's kernel (the
-        decode's "(compiled)" with `compile_decode`), where the plan came from, and the
-        KV cache's dtype."""
+        decode's "(compiled)" with `compile_decode`), where the plan came from, the KV
+        cache's dtype, and with a bfloat16 cache on the CPU what runs decode attention
+        (`native_attention.py`; a float32 cache always runs torch's)."""
         report = self.kernels.report()
         if self._compiled is not None:
             report["decode"] += " (compiled)"
         elif self._compile_skipped:
             report["decode"] += " (not compiled: int8 products break the graph)"
         report["kv_cache"] = dtype_name(self._kv_dtype)
+        if self._kv_dtype == torch.bfloat16 and self._device.type == "cpu":
+            report["attention"] = native_attention.kernel_report()
         if self._lora_path:
             report["lora"] = self._lora_path
         return report

@@ -1,0 +1,132 @@
+"""Decode attention through the C kernel (`decode_attention.c`), read straight from the
+paged KV cache.
+
+Why: the torch path gathers each decode group's cached keys and values into a padded
+copy (`index_select` of whole blocks) and runs the fused attention on it, in bfloat16
+with the queries rounded to it. The kernel reads the blocks where they lie, one
+sequence at a time to its own length, in float32. Measured on the 2 vCPU AMD EPYC of
+the README, batch-1 compiled decode steps in alternating rounds (the same graph but
+for attention): 1.18x at context 1,024, 1.02x at 128.
+
+Rules:
+1. Decodes only (a prefill chunk's many queries are what the fused kernel is for), and
+   only where the kernel applies (`usable`): a bfloat16 cache on the CPU, float32
+   queries, a head size that is a multiple of 16 up to 256, query heads a multiple of
+   KV heads, and the kernel built (`engine/native_build.py`;
+   `WAVECORE_ATTENTION_KERNEL=torch` turns it off). Elsewhere torch's path runs, and
+   `path_report()["attention"]` says which runs and why.
+2. Each sequence attends over exactly its own context (`DecodeAttention.context_lens`):
+   no padding and no mask, so a sequence's output does not depend on the batch around
+   it, and a group of mixed lengths reads no padded blocks.
+3. Float32 throughout from the cached bfloat16 keys and values (widening them is
+   exact); the queries are not rounded, so it is closer to float32 attention than the
+   fused bfloat16 path it replaces.
+4. A torch custom op (`wavecore::decode_attention`), so that a graph torch.compile makes
+   of the forward pass (`compiled_decode.py`) calls it as one kernel, not a break.
+5. The kernel trusts the block tables and lengths: `batch_plan.check_chunk` has checked
+   every block id against the cache and every table against its context.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from wavecore.engine.native_build import KernelSource, build
+
+ATTENTION_KERNEL = KernelSource(
+    Path(__file__).with_name("decode_attention.c"), "decode_attention", "WAVECORE_ATTENTION_KERNEL"
+)
+_MAX_HEAD_DIM = 256  # the kernel's MAX_CHUNKS * 16
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+
+
+@cache
+def _kernel() -> tuple[ctypes._CFuncPtr | None, str]:
+    """The kernel's function, or None; with what runs decode attention, in words."""
+    built = build(ATTENTION_KERNEL)
+    if built.library is None:
+        return None, f"torch sdpa ({built.reason})"
+    function = built.library.wavecore_decode_attention
+    function.argtypes = [_POINTER] * 4 + [_INT, _POINTER] + [_INT] * 5 + [ctypes.c_float, _POINTER]
+    function.restype = ctypes.c_int
+    return function, f"native kernel for a bfloat16 cache ({built.reason})"
+
+
+def kernel_report() -> str:
+    """What runs a bfloat16 cache's decode attention on the CPU, for `path_report`."""
+    return _kernel()[1]
+
+
+@torch.compiler.assume_constant_result  # a fact about the process, not traced
+def _built() -> bool:
+    return _kernel()[0] is not None
+
+
+def usable(queries: torch.Tensor, key_pool: torch.Tensor) -> bool:
+    """Whether the kernel runs decode attention of `queries` over `key_pool` (rule 1)."""
+    heads, head_dim = queries.shape[1], queries.shape[2]
+    return (
+        key_pool.device.type == "cpu"
+        and key_pool.dtype == torch.bfloat16
+        and queries.dtype == torch.float32
+        and head_dim % 16 == 0
+        and head_dim <= _MAX_HEAD_DIM
+        and heads % key_pool.shape[2] == 0
+        and _built()
+    )
+
+
+@torch.library.custom_op("wavecore::decode_attention", mutates_args=())
+def decode_attention(
+    queries: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`queries` `[seqs, heads, head_dim]` float32, one token each, attending over their
+    sequences' cached keys and values `[blocks, block_size, kv_heads, head_dim]`;
+    `block_tables` `[seqs, max_blocks]` and `context_lens` `[seqs]` int64. `usable`
+    must hold."""
+    function = _kernel()[0]
+    if function is None:
+        raise RuntimeError("decode_attention: the kernel is not built (check `usable` first)")
+    queries, tables, lengths = (t.contiguous() for t in (queries, block_tables, context_lens))
+    out = torch.empty_like(queries)
+    seqs, heads, head_dim = queries.shape
+    status = function(
+        queries.data_ptr(),
+        key_pool.data_ptr(),
+        value_pool.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lengths.data_ptr(),
+        seqs,
+        heads,
+        key_pool.shape[2],
+        head_dim,
+        key_pool.shape[1],
+        scale,
+        out.data_ptr(),
+    )
+    if status != 0:
+        reason = "out of memory" if status == 2 else "shapes it cannot take"
+        raise RuntimeError(f"decode_attention: the kernel failed ({reason})")
+    return out
+
+
+@decode_attention.register_fake
+def _(
+    queries: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(queries)
