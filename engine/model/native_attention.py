@@ -72,6 +72,7 @@ def usable(queries: torch.Tensor, key_pool: torch.Tensor) -> bool:
     return (
         key_pool.device.type == "cpu"
         and key_pool.dtype == torch.bfloat16
+        and key_pool.is_contiguous()
         and queries.dtype == torch.float32
         and head_dim % 16 == 0
         and head_dim <= _MAX_HEAD_DIM
@@ -91,12 +92,13 @@ def decode_attention(
 ) -> torch.Tensor:
     """`queries` `[seqs, heads, head_dim]` float32, one token each, attending over their
     sequences' cached keys and values `[blocks, block_size, kv_heads, head_dim]`;
-    `block_tables` `[seqs, max_blocks]` and `context_lens` `[seqs]` int64. `usable`
-    must hold."""
+    `block_tables` `[seqs, max_blocks]` and `context_lens` `[seqs]` integers. `usable`
+    must hold for `queries` and both pools."""
     function = _kernel()[0]
     if function is None:
         raise RuntimeError("decode_attention: the kernel is not built (check `usable` first)")
-    queries, tables, lengths = (t.contiguous() for t in (queries, block_tables, context_lens))
+    queries = queries.contiguous()
+    tables, lengths = (t.to(torch.int64).contiguous() for t in (block_tables, context_lens))
     out = torch.empty_like(queries)
     seqs, heads, head_dim = queries.shape
     status = function(
