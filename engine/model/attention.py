@@ -89,7 +89,7 @@ def paged_attention(
     The pools must already hold this pass's keys and values. Decodes over a bfloat16
     cache on the CPU run the C kernel (`native_attention.py`), in float32; the rest runs
     torch's fused kernels in the pools' dtype (the queries rounded to it: they take one
-    dtype), and then the whole output is kept in that dtype until the end.
+    dtype), widened back to the queries' dtype at the end.
     """
     dtype = queries.dtype
     native = native_attention.usable(queries, key_pool)

@@ -28,8 +28,8 @@ Theory of operation:
    and weights or a cache of the same shapes (after a weight update or a wake-up) are
    read in place of the old ones without a new compile.
 4. The first compile takes tens of seconds on 2 cores (inductor's cache makes later
-   processes faster); the executor runs it at load (`ModelExecutor._compile_decode`),
-   so no request waits for it. It needs a C++ compiler: without one, loading fails
+   processes faster); the executor runs it at load (`compile_now`), so no request
+   waits for it. It needs a C++ compiler: without one, loading fails
    and says so.
 5. The model and the cache are checked once per object, not at every step. Dynamo
    would check some 1,300 guards on them before each call (every tensor's shape,
@@ -67,6 +67,7 @@ from torch._guards import ChainedSource
 
 from wavecore.engine.model.attention import AttentionPlan, DecodeAttention
 from wavecore.engine.model.batch_plan import ForwardPlan
+from wavecore.engine.model.errors import CompileDecodeError
 from wavecore.engine.model.kv_cache import PagedKVCache
 from wavecore.engine.model.llama import LlamaModel
 
@@ -187,6 +188,21 @@ class CompiledDecode:
         # The model and cache last checked (weakly: a new object may take a freed one's
         # id, and would then be served without being looked at).
         self._marked: tuple[weakref.ref[LlamaModel], weakref.ref[PagedKVCache]] | None = None
+
+    def compile_now(self, model: LlamaModel, plan: ForwardPlan, cache: PagedKVCache) -> None:
+        """Compile the graph on `plan` (rule 4); a machine that cannot compile fails here,
+        saying why."""
+        try:
+            # As `compute_logits` calls it (inference tensors), or the guards differ.
+            with torch.inference_mode():
+                self(model, plan, cache)
+        except Exception as error:
+            raise CompileDecodeError(
+                f"compile_decode: torch.compile could not compile the decode step "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                f"its CPU backend needs a working C++ compiler (g++ or clang++); load without "
+                f"compile_decode"
+            ) from error
 
     @staticmethod
     def handles(plan: ForwardPlan) -> bool:

@@ -64,7 +64,7 @@ from wavecore.engine.model.dtypes import (
     pick_dtype,
     pick_kv_cache_dtype,
 )
-from wavecore.engine.model.errors import CompileDecodeError, InvalidBatchError
+from wavecore.engine.model.errors import InvalidBatchError
 from wavecore.engine.model.kernel_choice import ROUNDING_KERNELS, KernelChoice, choose_kernels
 from wavecore.engine.model.kv_cache import PagedKVCache, blocks_for_budget, bytes_per_block
 from wavecore.engine.model.linear import can_pack_bf16
@@ -241,23 +241,9 @@ class ModelExecutor:
         self._compile_skipped = compile_decode and self.kernels.plan.decode == "fbgemm"
         self._compiled = CompiledDecode() if compile_decode and not self._compile_skipped else None
         if self._compiled is not None:
-            self._compile_decode()
-
-    def _compile_decode(self) -> None:
-        """Compile the one-decode graph now, on a decode at the scratch block, so that no
-        request waits for it; a machine that cannot compile fails the load, saying why."""
-        model, cache = self._ready()
-        try:
-            # As `compute_logits` calls it (inference tensors), or the guards differ.
-            with torch.inference_mode():
-                self._compiled(model, self._scratch_plan(decode=True), cache)  # type: ignore[misc]
-        except Exception as error:
-            raise CompileDecodeError(
-                f"compile_decode: torch.compile could not compile the decode step "
-                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-                f"its CPU backend needs a working C++ compiler (g++ or clang++); load without "
-                f"compile_decode"
-            ) from error
+            model, cache = self._ready()
+            # On a decode at the scratch block, so that no request waits for it.
+            self._compiled.compile_now(model, self._scratch_plan(decode=True), cache)
 
     @property
     def draft(self) -> Drafter | None:
