@@ -190,12 +190,11 @@ class CompiledDecode:
         self._marked: tuple[weakref.ref[LlamaModel], weakref.ref[PagedKVCache]] | None = None
 
     def compile_now(self, model: LlamaModel, plan: ForwardPlan, cache: PagedKVCache) -> None:
-        """Compile the graph on `plan` (rule 4); a machine that cannot compile fails here,
-        saying why."""
+        """Compile the graph on `plan` (rule 4), which must be built as the steps' plans
+        are (under inference mode: the guards see it); a machine that cannot compile
+        fails here, saying why."""
         try:
-            # As `compute_logits` calls it (inference tensors), or the guards differ.
-            with torch.inference_mode():
-                self(model, plan, cache)
+            self(model, plan, cache)
         except Exception as error:
             raise CompileDecodeError(
                 f"compile_decode: torch.compile could not compile the decode step "

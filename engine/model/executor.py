@@ -242,8 +242,11 @@ class ModelExecutor:
         self._compiled = CompiledDecode() if compile_decode and not self._compile_skipped else None
         if self._compiled is not None:
             model, cache = self._ready()
-            # On a decode at the scratch block, so that no request waits for it.
-            self._compiled.compile_now(model, self._scratch_plan(decode=True), cache)
+            # On a decode at the scratch block, so that no request waits for it; its plan
+            # built as `compute_logits` builds one (inference tensors), or the guards on
+            # the per-step inputs would differ and the first step compile again.
+            with torch.inference_mode():
+                self._compiled.compile_now(model, self._scratch_plan(decode=True), cache)
 
     @property
     def draft(self) -> Drafter | None:
