@@ -7,6 +7,8 @@ default path (`weights="auto"`: agreement >= 97%, perplexity within 2%):
 - int8: `weights="int8"` (fbgemm, `engine/model/int8_linear.py`);
 - woq: the default path's weight-only kernel forced for every class (the GGUF's
   4-bit blocks as stored, 8 bits per channel for its 8-bit ones, bfloat16 activations);
+- woq-vnni: the same weights with activations rounded to int8 per group of 32 (the
+  "woq-vnni" kernel, CPUs with AVX-512 VNNI), forced for every class;
 - bf16 projections: the default path's "onednn-bf16" kernel forced for every class
   (bfloat16 weights, float32 activations), on CPUs with native bfloat16 only;
 - bfloat16 model: `dtype="bfloat16"` (everything in bfloat16), likewise.
@@ -31,6 +33,7 @@ from wavecore.engine.model.kernel_choice import cpu_name
 from wavecore.engine.model.kernel_plan import FORCE_ENV
 from wavecore.engine.model.linear import can_pack_bf16
 from wavecore.engine.model.quality import byte_ids, compare
+from wavecore.engine.model.vnni_linear import can_pack_vnni
 from wavecore.engine.model.weight_format import WeightFormat
 from wavecore.engine.model.woq_linear import GROUP, can_pack_woq
 from wavecore.engine.sampling.errors import TokenizerLoadError
@@ -67,6 +70,9 @@ def candidates() -> dict[str, dict[str, Any]]:
     if can_pack_woq(torch.device("cpu"), torch.float32, GROUP, 16):
         # The GGUF's 4-bit blocks (8 bits for its 8-bit ones), bfloat16 activations.
         found["woq"] = {"weights": "auto", "dtype": "auto", "forced": "woq"}
+    if can_pack_vnni(torch.device("cpu"), torch.float32, GROUP, 16):
+        # The same weights, activations rounded to int8 per group of 32 (AVX-512 VNNI).
+        found["woq-vnni"] = {"weights": "auto", "dtype": "auto", "forced": "woq-vnni"}
     if can_pack_bf16(torch.device("cpu"), torch.float32):
         found["bf16 projections"] = {"weights": "auto", "dtype": "auto", "forced": "onednn-bf16"}
         found["bfloat16 model"] = {"weights": "float32", "dtype": "bfloat16"}

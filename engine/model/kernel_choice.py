@@ -7,8 +7,9 @@ measured on the machine itself, at load, and kept on disk (`kernel_cache.py`).
 
 Theory of operation: float32 on a CPU with oneDNN has a choice of two kernels
 ("blas" or "onednn"); `weights="auto"` adds the rounding kernels this CPU runs fast,
-"onednn-bf16" where it has native bfloat16, "fbgemm" (int8) and "woq" (weight-only: a GGUF's
-4-bit blocks as they are, 8 bits elsewhere; where every product packs), each admitted only if
+"onednn-bf16" where it has native bfloat16, "fbgemm" (int8), "woq" (weight-only: a GGUF's
+4-bit blocks as they are, 8 bits elsewhere; where every product packs) and "woq-vnni" (the
+same weights times int8 activations, where the CPU has AVX-512 VNNI), each admitted only if
 the model's predictions with it stay within `quality.MIN_AGREEMENT` and
 `MAX_PERPLEXITY_CHANGE` of float32's (judged by the caller's `quality`, on the loaded
 weights; only for kernels the clock would choose, since judging runs the model in
@@ -37,10 +38,10 @@ Rules:
 3. Otherwise the plan cached under this machine's key is used (for "auto", the key
    names the model too: the accuracy budget is judged on its weights); failing that,
    every class is measured and the plan cached.
-4. Kernels are ranked in the order blas, onednn, onednn-bf16, fbgemm, woq (simpler, more
-   exact, fewer extra forms first): a later kernel replaces the one chosen so far only
-   if its time is `MARGIN` below it, so a tie keeps the simpler kernel, which also
-   needs no second form of the weights.
+4. Kernels are ranked in the order blas, onednn, onednn-bf16, fbgemm, woq, woq-vnni
+   (simpler, more exact, fewer extra forms first): a later kernel replaces the one
+   chosen so far only if its time is `MARGIN` below it, so a tie keeps the simpler
+   kernel, which also needs no second form of the weights.
 5. A plan holds another form of the weights only where it pays: a kernel whose
    classes would all run within `MARGIN` on a kernel the plan holds anyway is dropped
    for it (`plan_of`).
@@ -70,6 +71,7 @@ from wavecore.engine.model.kernel_plan import (
 )
 from wavecore.engine.model.linear import Projection, can_pack, can_pack_bf16
 from wavecore.engine.model.quality import QualityReport
+from wavecore.engine.model.vnni_linear import can_pack_vnni
 from wavecore.engine.model.woq_linear import can_pack_woq
 
 MARGIN = 0.1
@@ -80,7 +82,7 @@ _MEASURED_AT = {"decode": (1, 7), "small": (8, 7), "large": (64, 5), "prefill": 
 _STREAMED = frozenset({"decode", "small"})
 _FLOAT_KERNELS: tuple[Kernel, ...] = ("blas", "onednn")
 # The kernels that round the weights, admitted only within the accuracy budget.
-ROUNDING_KERNELS: tuple[Kernel, ...] = ("onednn-bf16", "fbgemm", "woq")
+ROUNDING_KERNELS: tuple[Kernel, ...] = ("onednn-bf16", "fbgemm", "woq", "woq-vnni")
 
 Timer = Callable[[], float]
 # Seconds of each kernel's runs, by shape class.
@@ -223,7 +225,7 @@ def candidate_kernels(
     device: torch.device, dtype: torch.dtype, weights: str, shapes: ProjectionShapes | None = None
 ) -> list[Kernel]:
     """The kernels `weights` may run on `device` in `dtype`, in rule 4's order (with
-    `shapes`, "woq" where every product can be packed for it)."""
+    `shapes`, "woq" and "woq-vnni" where every product can be packed for them)."""
     kernels: list[Kernel] = ["blas"]
     if can_pack(device, dtype):
         kernels.append("onednn")
@@ -237,6 +239,12 @@ def candidate_kernels(
         and all(can_pack_woq(device, dtype, i, o) for o, i in (*shapes.layer, shapes.head))
     ):
         kernels.append("woq")
+    if (
+        weights == "auto"
+        and shapes is not None
+        and all(can_pack_vnni(device, dtype, i, o) for o, i in (*shapes.layer, shapes.head))
+    ):
+        kernels.append("woq-vnni")
     return kernels
 
 
@@ -282,7 +290,7 @@ def measure_times(
     units = min(shapes.num_layers, max(1, math.ceil(_STREAM_BYTES / unit_bytes)))
     if not _STREAMED.intersection(classes):
         units = 1
-    # Constant weights: a product's time does not depend on the values.
+    # Fixed weights: a product's time depends on their form, not their values.
     projections = {
         kernel: [_projection(o, i, kernel) for _ in range(units) for o, i in unit]
         for kernel in kernels
@@ -330,7 +338,10 @@ def plan_of(seconds: Times) -> dict[str, Kernel]:
 
 
 def _projection(out_features: int, in_features: int, kernel: Kernel) -> Projection:
-    dense = torch.full((out_features, in_features), 0.01)
+    # 4-bit groups (every group holds codes 0..15 of one step, which float16 holds): the
+    # weight-only kernels time the 4-bit form a GGUF's layers take, not a degenerate one.
+    codes = torch.arange(out_features * in_features) % 16
+    dense = (codes.reshape(out_features, in_features) / 256).to(torch.float32)
     int8 = Int8Projection.build(dense, torch.ones(in_features)) if kernel == "fbgemm" else None
     return Projection.build(
         dense,

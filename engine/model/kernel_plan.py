@@ -19,9 +19,12 @@ Kernels (`linear.Projection` runs them):
   kernel of int8 weights; it is named in plans so reports say what ran;
 - "woq": torch's CPU weight-only products, 4 bits where the weights are 4-bit groups
   (a GGUF's Q4_1 blocks), else 8 bits per channel, bfloat16 activations
-  (`woq_linear.WeightOnlyProjection`).
+  (`woq_linear.WeightOnlyProjection`);
+- "woq-vnni": the same weights, multiplied by activations rounded to int8 per group
+  of 32 through AVX-512 VNNI dot products, a C kernel built on the machine
+  (`vnni_linear.VnniProjection`; CPUs with AVX-512 VNNI only).
 
-With `weights="auto"` one plan may mix all five (`kernel_choice.py`): each class runs
+With `weights="auto"` one plan may mix all six (`kernel_choice.py`): each class runs
 the fastest within the accuracy budget (`quality.py`), so the plan names the dtype that ran too.
 
 `WAVECORE_KERNELS` forces kernels instead of measuring them (tests, benchmarks): one
@@ -35,8 +38,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Literal
 
-Kernel = Literal["blas", "onednn", "onednn-bf16", "fbgemm", "woq"]
-KERNELS: tuple[Kernel, ...] = ("blas", "onednn", "onednn-bf16", "fbgemm", "woq")
+Kernel = Literal["blas", "onednn", "onednn-bf16", "fbgemm", "woq", "woq-vnni"]
+KERNELS: tuple[Kernel, ...] = ("blas", "onednn", "onednn-bf16", "fbgemm", "woq", "woq-vnni")
 SHAPE_CLASSES = ("decode", "small", "large", "prefill")
 # The last row count of each class but the open-ended prefill.
 # "small" ends at 8: the weight-only kernel, which reads the weights again for each

@@ -23,11 +23,15 @@ the residual stream. Which kernel runs depends on the rows of `x`, by the projec
   blocks as they are, 8 bits per channel for any other matrix; bfloat16 activations.
   For batch-1 decode, which streams every weight once: an eighth to a quarter of
   float32's bytes.
+- "woq-vnni": the same weights, activations rounded to int8, products by AVX-512 VNNI
+  dot products (`vnni_linear.VnniProjection`): at one row on a 2 vCPU AMD EPYC,
+  torch's weight-only products were compute-bound, these stream the weights.
 
 A projection keeps each form its plan names and no other: a plan that mixes kernels
 keeps several (more memory, bought for speed, and only when measured faster). The
-float32 kernels differ only in the order of accumulation; "onednn-bf16", "fbgemm"
-and "woq" round, and are chosen only within an accuracy budget (`quality.py`).
+float32 kernels differ only in the order of accumulation; "onednn-bf16", "fbgemm",
+"woq" and "woq-vnni" round, and are chosen only within an accuracy budget
+(`quality.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ import torch
 
 from wavecore.engine.model.int8_linear import Int8Projection
 from wavecore.engine.model.kernel_plan import Kernel, KernelPlan
+from wavecore.engine.model.vnni_linear import VnniProjection, can_pack_vnni
+from wavecore.engine.model.vnni_linear import kernel_report as vnni_kernel_report
 from wavecore.engine.model.woq_linear import GROUP as WOQ_GROUP
 from wavecore.engine.model.woq_linear import WeightOnlyProjection, can_pack_woq
 
@@ -126,6 +132,7 @@ class Projection:
     bf16: torch.Tensor | None = None  # oneDNN's bfloat16 layout, for "onednn-bf16"
     int8: Int8Projection | None = None  # for "fbgemm" in a mixed plan
     woq: WeightOnlyProjection | None = None  # for "woq"
+    vnni: VnniProjection | None = None  # for "woq-vnni"
 
     @classmethod
     def build(
@@ -162,6 +169,12 @@ class Projection:
                 f"kernel 'woq' needs float32 on a CPU, inputs in groups of {WOQ_GROUP} and "
                 f"outputs in 16s, not {dtype} on {device} for {in_features} -> {out_features}"
             )
+        if kernels.uses("woq-vnni") and not can_pack_vnni(device, dtype, in_features, out_features):
+            raise ValueError(
+                f"kernel 'woq-vnni' needs float32 on a CPU with AVX-512 VNNI and its kernel "
+                f"built ({vnni_kernel_report()}), inputs in groups of {WOQ_GROUP} and "
+                f"outputs in 16s, not {dtype} on {device} for {in_features} -> {out_features}"
+            )
         plain = dense.t().contiguous() if kernels.uses("blas") else None
         blocked = pack(dense) if kernels.uses("onednn") else None
         bf16 = pack_bf16(dense) if kernels.uses("onednn-bf16") else None
@@ -174,6 +187,7 @@ class Projection:
             bf16,
             int8 if kernels.uses("fbgemm") else None,
             WeightOnlyProjection.build(dense) if kernels.uses("woq") else None,
+            VnniProjection.build(dense) if kernels.uses("woq-vnni") else None,
         )
 
     def run_by(self, kernels: KernelPlan) -> Projection:
@@ -196,6 +210,7 @@ class Projection:
             self.bf16 if uses("onednn-bf16") else None,
             self.int8 if uses("fbgemm") else None,
             self.woq if uses("woq") else None,
+            self.vnni if uses("woq-vnni") else None,
         )
 
     def _form(self, kernel: Kernel) -> object | None:
@@ -205,6 +220,7 @@ class Projection:
             "onednn-bf16": self.bf16,
             "fbgemm": self.int8,
             "woq": self.woq,
+            "woq-vnni": self.vnni,
         }[kernel]
 
     @property
@@ -225,7 +241,7 @@ class Projection:
         bfloat16 or int8, dequantized), by multiplying it with an identity matrix."""
         if self.plain is not None:
             return self.plain.t()
-        for kernel in ("onednn", "onednn-bf16", "fbgemm", "woq"):
+        for kernel in ("onednn", "onednn-bf16", "fbgemm", "woq", "woq-vnni"):
             if self._form(kernel) is not None:
                 eye = torch.eye(self.in_features)
                 return self.run_by(KernelPlan.uniform(kernel))(eye).t()
@@ -242,6 +258,8 @@ class Projection:
             return bf16_product(x, self.bf16)
         if kernel == "woq":
             return self.woq(x)  # type: ignore[misc]
+        if kernel == "woq-vnni":
+            return self.vnni(x)  # type: ignore[misc]
         return self.int8(x)  # type: ignore[misc]
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -256,13 +274,16 @@ class Projection:
             return residual.add_(packed_product(x.to(torch.bfloat16), self.bf16))
         if kernel == "woq":
             return residual.add_(self.woq.product(x))  # type: ignore[union-attr]
+        if kernel == "woq-vnni":
+            return residual.add_(self.vnni(x))  # type: ignore[misc]
         return self.int8.add_to(residual, x)  # type: ignore[union-attr]
 
     def to(self, device: torch.device) -> Projection:
         """This projection on `device`; a packed one lives on the CPU and stays there."""
         if device.type == "cpu" and self.weight.device.type == "cpu":
             return self
-        if self.plain is None or any(f is not None for f in (self.blocked, self.bf16, self.woq)):
+        packed = (self.blocked, self.bf16, self.woq, self.vnni)
+        if self.plain is None or any(form is not None for form in packed):
             raise ValueError(f"a CPU-packed projection cannot move to {device}")
         return Projection(
             self.plain.to(device), None, self.kernels, self.in_features, self.out_features
@@ -283,4 +304,5 @@ class Projection:
             for form in (self.plain, self.blocked, self.bf16)
             if form is not None
         )
-        return sum((form.num_bytes for form in (self.int8, self.woq) if form is not None), total)
+        quantized = (self.int8, self.woq, self.vnni)
+        return sum((form.num_bytes for form in quantized if form is not None), total)

@@ -33,7 +33,7 @@ GROUP = 32
 # The 4-bit packing's inner tiles along the input (2 x 16 values: one group).
 _INNER_K_TILES = 2
 # A group counts as 4-bit when its codes give it back within this share of its step.
-_EXACT = 1e-3
+EXACT = 1e-3
 
 
 def can_pack_woq(
@@ -51,6 +51,37 @@ def can_pack_woq(
 
 
 @dataclass(frozen=True, slots=True)
+class FourBitGroups:
+    """A matrix as groups of `GROUP` inputs: weight = code * step + low."""
+
+    codes: torch.Tensor  # `[out, in / GROUP, GROUP]` float32, whole numbers 0..15
+    step: torch.Tensor  # `[out, in / GROUP, 1]` float32
+    low: torch.Tensor  # `[out, in / GROUP, 1]` float32
+
+
+def four_bit_groups(matrix: torch.Tensor) -> FourBitGroups | None:
+    """`matrix` `[out, in]` as 4-bit groups (minimum and maximum: llama.cpp's Q4_1)
+    when every weight is one within `EXACT` of its group's step, else None."""
+    out_features, in_features = matrix.shape
+    groups = matrix.to(torch.float32).reshape(out_features, in_features // GROUP, GROUP)
+    low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+    step = ((high - low) / 15).clamp_(min=torch.finfo(torch.float32).tiny)
+    codes = ((groups - low) / step).round_().clamp_(0, 15)
+    if not bool(((codes * step + low - groups).abs() <= EXACT * step).all()):
+        return None
+    return FourBitGroups(codes, step, low)
+
+
+def per_channel_int8(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`matrix` `[out, in]` rounded to int8 codes `[out, in]` with a float32 scale per
+    output `[out]` (symmetric: weight = code * scale, codes -127..127)."""
+    matrix = matrix.to(torch.float32).contiguous()
+    scale = (matrix.abs().amax(dim=1) / 127).clamp_(min=torch.finfo(torch.float32).tiny)
+    codes = (matrix / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+@dataclass(frozen=True, slots=True)
 class WeightOnlyProjection:
     bits: int  # 4 or 8
     codes: torch.Tensor  # 4: the kernel's packed layout (uint8); 8: `[out, in]` int8
@@ -62,22 +93,21 @@ class WeightOnlyProjection:
     def build(cls, matrix: torch.Tensor) -> WeightOnlyProjection:
         """From a float `[out, in]` matrix: 4 bits where it is 4-bit groups, else 8."""
         out_features, in_features = matrix.shape
-        matrix = matrix.to(torch.float32).contiguous()
-        groups = matrix.reshape(out_features, in_features // GROUP, GROUP)
-        low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
-        step = ((high - low) / 15).clamp_(min=torch.finfo(torch.float32).tiny)
-        codes = ((groups - low) / step).round_().clamp_(0, 15)
-        if bool(((codes * step + low - groups).abs() <= _EXACT * step).all()):
+        groups = four_bit_groups(matrix)
+        if groups is not None:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                codes.to(torch.int32).reshape(out_features, in_features), _INNER_K_TILES
+                groups.codes.to(torch.int32).reshape(out_features, in_features), _INNER_K_TILES
             )
             # The kernel reads a weight as (code - 8) * scale + zero.
-            scale_zero = torch.cat([step, low + 8 * step], dim=-1).transpose(0, 1)
+            scale_zero = torch.cat([groups.step, groups.low + 8 * groups.step], dim=-1)
             return cls(
-                4, packed, scale_zero.contiguous().to(torch.bfloat16), in_features, out_features
+                4,
+                packed,
+                scale_zero.transpose(0, 1).contiguous().to(torch.bfloat16),
+                in_features,
+                out_features,
             )
-        scale = (matrix.abs().amax(dim=1) / 127).clamp_(min=torch.finfo(torch.float32).tiny)
-        codes8 = (matrix / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        codes8, scale = per_channel_int8(matrix)
         return cls(8, codes8, scale.to(torch.bfloat16), in_features, out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

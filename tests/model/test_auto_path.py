@@ -23,7 +23,6 @@ from wavecore.engine.model.scoring import score_sequences
 
 CPU = torch.device("cpu")
 CONFIG = KERNEL_TEST_CONFIG
-ALL = ("blas", "onednn", "onednn-bf16", "fbgemm", "woq")
 MIXED = KernelPlan(decode="fbgemm", small="onednn-bf16", large="onednn-bf16", prefill="blas")
 
 
@@ -88,8 +87,9 @@ class Judge:
 
 def clock(**plan: str):
     """A `Measure` under which each class's kernel in `plan` is fastest, then the
-    others in the order fbgemm, onednn-bf16, onednn, blas, woq."""
-    speed = {"woq": 5.0, "fbgemm": 1.0, "onednn-bf16": 2.0, "onednn": 3.0, "blas": 4.0}
+    others in the order fbgemm, onednn-bf16, onednn, blas, woq, woq-vnni."""
+    speed = {"woq-vnni": 6.0, "woq": 5.0, "fbgemm": 1.0, "onednn-bf16": 2.0, "onednn": 3.0}
+    speed["blas"] = 4.0
 
     def measure(shapes: object, classes: list[str], kernels: list[str]) -> dict:
         return {
@@ -115,7 +115,7 @@ def choose(cache: KernelCache, judge: Judge | None, measure, model_key: str = "m
 
 @pytest.fixture
 def every_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """All five kernels are candidates (the choice here never runs them)."""
+    """All six kernels are candidates (the choice here never runs them)."""
     if not linear.can_pack(CPU, torch.float32) or not kernel_choice.has_fbgemm():
         pytest.skip("this torch build has no oneDNN or fbgemm")
     monkeypatch.setattr(kernel_choice, "can_pack_bf16", lambda device, dtype: True)
@@ -284,9 +284,9 @@ def test_the_tiny_model_loads_with_a_measured_auto_plan(tiny_gguf: Path) -> None
         choice = executor.kernels
         assert executor.weights == "auto" and choice.origin in ("measured", "cached")
         for kernel, report in choice.quality.items():
-            assert kernel in ("onednn-bf16", "fbgemm") and report.positions > 0
+            assert kernel in kernel_choice.ROUNDING_KERNELS and report.positions > 0
         # Every rounding kernel the plan runs was judged within the budget.
-        for kernel in set(choice.plan.as_dict().values()) & {"onednn-bf16", "fbgemm"}:
+        for kernel in set(choice.plan.as_dict().values()) & set(kernel_choice.ROUNDING_KERNELS):
             assert choice.origin == "cached" or choice.quality[kernel].within_budget
     finally:
         executor.close()
