@@ -38,10 +38,10 @@ def test_every_package_folder_is_declared() -> None:
 
 
 def test_every_file_the_code_reads_is_package_data() -> None:
-    """Non-Python files inside a package (the LoRA kernel's C source) install with it."""
+    """Non-Python files inside a package (the kernels' C and C++ sources) install with it."""
     declared = _SETUPTOOLS.get("package-data", {})
     for folder, dotted in FOLDERS.items():
-        for path in (ROOT / folder).rglob("*.c"):
+        for path in [*(ROOT / folder).rglob("*.c"), *(ROOT / folder).rglob("*.cpp")]:
             package = ".".join((dotted, *path.parent.relative_to(ROOT / folder).parts))
             patterns = declared.get(package, [])
             assert any(path.match(pattern) for pattern in patterns), (

@@ -21,15 +21,16 @@ Rules:
 3. Float32 throughout from the cached bfloat16 keys and values (widening them is
    exact); the queries are not rounded, so it is closer to float32 attention than the
    fused bfloat16 path it replaces.
-4. A torch custom op (`wavecore::decode_attention`), so that a graph torch.compile makes
-   of the forward pass (`compiled_decode.py`) calls it as one kernel, not a break.
+4. A torch operator (`wavecore::decode_attention`, its CPU kernel registered in C++ by
+   `decode_attention_op.cpp` through torch's stable ABI), so that a graph torch.compile
+   makes of the forward pass (`compiled_decode.py`) calls it as one kernel, not a
+   break, and neither it nor eager code goes through Python for it.
 5. The kernel trusts the block tables and lengths: `batch_plan.check_chunk` has checked
    every block id against the cache and every table against its context.
 """
 
 from __future__ import annotations
 
-import ctypes
 from functools import cache
 from pathlib import Path
 
@@ -38,22 +39,41 @@ import torch
 from wavecore.engine.native_build import KernelSource, build
 
 ATTENTION_KERNEL = KernelSource(
-    Path(__file__).with_name("decode_attention.c"), "decode_attention", "WAVECORE_ATTENTION_KERNEL"
+    Path(__file__).with_name("decode_attention.c"),
+    "decode_attention",
+    "WAVECORE_ATTENTION_KERNEL",
+    torch_ops=Path(__file__).with_name("decode_attention_op.cpp"),
 )
 _MAX_HEAD_DIM = 256  # the kernel's MAX_CHUNKS * 16
-_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+
+# The operator's CPU kernel comes with the library (`decode_attention_op.cpp`, rule 4).
+torch.library.define(
+    "wavecore::decode_attention",
+    "(Tensor queries, Tensor key_pool, Tensor value_pool, Tensor block_tables, "
+    "Tensor context_lens, float scale) -> Tensor",
+)
+
+
+@torch.library.register_fake("wavecore::decode_attention")
+def _(
+    queries: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(queries)
 
 
 @cache
-def _kernel() -> tuple[ctypes._CFuncPtr | None, str]:
-    """The kernel's function, or None; with what runs decode attention, in words."""
+def _kernel() -> tuple[bool, str]:
+    """Whether the operator runs here (its library loaded, which registers its CPU
+    kernel); with what runs decode attention, in words."""
     built = build(ATTENTION_KERNEL)
     if built.library is None:
-        return None, f"torch sdpa ({built.reason})"
-    function = built.library.wavecore_decode_attention
-    function.argtypes = [_POINTER] * 4 + [_INT, _POINTER] + [_INT] * 5 + [ctypes.c_float, _POINTER]
-    function.restype = ctypes.c_int
-    return function, f"native kernel for a bfloat16 cache ({built.reason})"
+        return False, f"torch sdpa ({built.reason})"
+    return True, f"native kernel for a bfloat16 cache ({built.reason})"
 
 
 def kernel_report() -> str:
@@ -63,7 +83,7 @@ def kernel_report() -> str:
 
 @torch.compiler.assume_constant_result  # a fact about the process, not traced
 def _built() -> bool:
-    return _kernel()[0] is not None
+    return _kernel()[0]
 
 
 def usable(queries: torch.Tensor, key_pool: torch.Tensor) -> bool:
@@ -81,7 +101,6 @@ def usable(queries: torch.Tensor, key_pool: torch.Tensor) -> bool:
     )
 
 
-@torch.library.custom_op("wavecore::decode_attention", mutates_args=())
 def decode_attention(
     queries: torch.Tensor,
     key_pool: torch.Tensor,
@@ -92,43 +111,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """`queries` `[seqs, heads, head_dim]` float32, one token each, attending over their
     sequences' cached keys and values `[blocks, block_size, kv_heads, head_dim]`;
-    `block_tables` `[seqs, max_blocks]` and `context_lens` `[seqs]` integers. `usable`
+    `block_tables` `[seqs, max_blocks]` and `context_lens` `[seqs]` int64. `usable`
     must hold for `queries` and both pools."""
-    function = _kernel()[0]
-    if function is None:
-        raise RuntimeError("decode_attention: the kernel is not built (check `usable` first)")
-    queries = queries.contiguous()
-    tables, lengths = (t.to(torch.int64).contiguous() for t in (block_tables, context_lens))
-    out = torch.empty_like(queries)
-    seqs, heads, head_dim = queries.shape
-    status = function(
-        queries.data_ptr(),
-        key_pool.data_ptr(),
-        value_pool.data_ptr(),
-        tables.data_ptr(),
-        tables.shape[1],
-        lengths.data_ptr(),
-        seqs,
-        heads,
-        key_pool.shape[2],
-        head_dim,
-        key_pool.shape[1],
-        scale,
-        out.data_ptr(),
+    return torch.ops.wavecore.decode_attention(
+        queries, key_pool, value_pool, block_tables, context_lens, scale
     )
-    if status != 0:
-        reason = "out of memory" if status == 2 else "shapes it cannot take"
-        raise RuntimeError(f"decode_attention: the kernel failed ({reason})")
-    return out
-
-
-@decode_attention.register_fake
-def _(
-    queries: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return torch.empty_like(queries)

@@ -29,6 +29,14 @@
 #define TILE 16
 #define MAX_ROWS 8
 
+/* The bytes of the packed weights for `bits`-bit weights of `k` inputs and `n` outputs
+ * (0: shapes the layout cannot take). */
+int64_t wavecore_vnni_packed_bytes(int bits, int64_t k, int64_t n) {
+    if (k < GROUP || k % GROUP || n < TILE || n % TILE || (bits != 4 && bits != 8)) return 0;
+    int64_t groups = k / GROUP;
+    return n / TILE * (bits == 4 ? groups * 320 : TILE * (int64_t)sizeof(float) + groups * 512);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -142,7 +150,7 @@ int wavecore_vnni_product(const float *x, int64_t m, int64_t k, int64_t n, int b
         for (int64_t g = 0; g < groups; g++) total += scaled_sum[r * groups + g];
         row_sum[r] = total;
     }
-    int64_t tile_bytes = bits == 4 ? groups * 320 : TILE * sizeof(float) + groups * 512;
+    int64_t tile_bytes = wavecore_vnni_packed_bytes(bits, k, n) / (n / TILE);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < n / TILE; t++) {
         const uint8_t *p = weights + t * tile_bytes;

@@ -150,7 +150,12 @@ def test_the_op_is_one_kernel_under_torch_compile() -> None:
     decode = decode_group([6, 11])
     queries = torch.randn(2, 4, 16)
     args = (queries, keys, values, decode.block_tables, decode.context_lens, 0.25)
-    torch.library.opcheck(native_attention.decode_attention, args)
+    torch.library.opcheck(torch.ops.wavecore.decode_attention.default, args)
+    # The operator checks shapes and dtypes itself (not the tables' block ids).
+    with pytest.raises(RuntimeError, match="pools must be contiguous bfloat16"):
+        torch.ops.wavecore.decode_attention(queries, keys.float(), *args[2:])
+    with pytest.raises(RuntimeError, match="block_tables must be"):
+        torch.ops.wavecore.decode_attention(*args[:3], decode.block_tables.int(), *args[4:])
 
 
 def test_torch_runs_where_the_kernel_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:

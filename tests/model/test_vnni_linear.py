@@ -5,6 +5,7 @@ matrix gets; a projection that holds it; one op in a compiled graph."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -12,14 +13,14 @@ import pytest
 import torch
 from test_woq_linear import q4_1_matrix, relative_error
 
+from wavecore.engine import native_build
 from wavecore.engine.model.kernel_plan import KernelPlan
 from wavecore.engine.model.linear import Projection
 from wavecore.engine.model.vnni_linear import (
+    VNNI_KERNEL,
     VnniProjection,
     can_pack_vnni,
     kernel_report,
-    packed_bytes,
-    vnni_product,
 )
 from wavecore.engine.model.woq_linear import GROUP, per_channel_int8
 
@@ -98,11 +99,18 @@ def test_zero_activations_give_zero_and_zero_rows_an_empty_product() -> None:
     assert form(torch.zeros(0, 64)).shape == (0, 16)
 
 
-def test_weights_packed_for_another_shape_are_refused() -> None:
+def test_the_operator_refuses_what_the_kernel_cannot_take() -> None:
     form = VnniProjection.build(q4_1_matrix(16, 64))
-    assert form.num_bytes == packed_bytes(4, 64, 16)
-    with pytest.raises(ValueError, match="do not hold 4-bit weights of 96 inputs"):
-        vnni_product(torch.randn(1, 96), form.packed, 4, 16)
+    product = torch.ops.wavecore.vnni_product
+    with pytest.raises(RuntimeError, match="do not hold 4-bit weights of 96 inputs"):
+        product(torch.randn(1, 96), form.packed, 4, 16)
+    with pytest.raises(RuntimeError, match="do not hold 8-bit weights"):
+        product(torch.randn(1, 64), form.packed, 8, 16)
+    with pytest.raises(RuntimeError, match="x must be a 2-D float32 CPU tensor"):
+        product(torch.randn(1, 64).double(), form.packed, 4, 16)
+    # A transposed (non-contiguous) input is read as its values, not its storage.
+    x = torch.randn(64, 3).t()
+    torch.testing.assert_close(product(x, form.packed, 4, 16), form(x.contiguous()))
 
 
 def test_a_projection_holds_the_form_its_plan_runs() -> None:
@@ -135,3 +143,23 @@ def test_the_op_is_one_kernel_in_a_compiled_graph() -> None:
     x = torch.randn(1, 64)
     compiled = torch.compile(lambda x: form(x) * 2 + 1, fullgraph=True)  # no graph break
     torch.testing.assert_close(compiled(x), form(x) * 2 + 1)
+    torch.library.opcheck(torch.ops.wavecore.vnni_product.default, (x, form.packed, 4, 32))
+
+
+def test_without_a_cxx_compiler_there_is_no_kernel_and_the_reason_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    unbuilt = dataclasses.replace(VNNI_KERNEL, stem="vnni_product_unbuilt")
+    try:
+        with monkeypatch.context() as patch:
+            patch.setenv("CXX", "/nonexistent/c++")
+            build = native_build.build(unbuilt)
+        assert build.library is None and "no C++ compiler" in build.reason
+        # The library this process loaded stays the one: a second copy (here it would be
+        # built into the new cache) would register the operator again and abort.
+        native_build.build.cache_clear()
+        again = native_build.build(VNNI_KERNEL)
+        assert again.library is not None and not list(tmp_path.rglob("vnni_product-*"))
+    finally:
+        native_build.build.cache_clear()
