@@ -121,7 +121,7 @@ def _native_decode(
     decode: DecodeAttention,
     scale: float,
 ) -> torch.Tensor:
-    return native_attention.decode_attention(
+    return torch.ops.wavecore.decode_attention(
         queries, key_pool, value_pool, decode.block_tables, decode.context_lens, scale
     )
 

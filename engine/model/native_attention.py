@@ -46,7 +46,11 @@ ATTENTION_KERNEL = KernelSource(
 )
 _MAX_HEAD_DIM = 256  # the kernel's MAX_CHUNKS * 16
 
-# The operator's CPU kernel comes with the library (`decode_attention_op.cpp`, rule 4).
+# `queries` `[seqs, heads, head_dim]` float32, one token each, attending over their
+# sequences' cached keys and values `[blocks, block_size, kv_heads, head_dim]`;
+# `block_tables` `[seqs, max_blocks]` and `context_lens` `[seqs]` int64. `usable` must hold
+# for `queries` and both pools. The CPU kernel comes with the library
+# (`decode_attention_op.cpp`, rule 4).
 torch.library.define(
     "wavecore::decode_attention",
     "(Tensor queries, Tensor key_pool, Tensor value_pool, Tensor block_tables, "
@@ -98,21 +102,4 @@ def usable(queries: torch.Tensor, key_pool: torch.Tensor) -> bool:
         and head_dim <= _MAX_HEAD_DIM
         and heads % key_pool.shape[2] == 0
         and _built()
-    )
-
-
-def decode_attention(
-    queries: torch.Tensor,
-    key_pool: torch.Tensor,
-    value_pool: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """`queries` `[seqs, heads, head_dim]` float32, one token each, attending over their
-    sequences' cached keys and values `[blocks, block_size, kv_heads, head_dim]`;
-    `block_tables` `[seqs, max_blocks]` and `context_lens` `[seqs]` int64. `usable`
-    must hold for `queries` and both pools."""
-    return torch.ops.wavecore.decode_attention(
-        queries, key_pool, value_pool, block_tables, context_lens, scale
     )

@@ -107,7 +107,7 @@ def test_each_sequence_attends_over_its_own_context_in_float32(
     decode = decode_group(lengths)
     queries = torch.randn(len(lengths), heads, head_dim)
     assert native_attention.usable(queries, keys)
-    out = native_attention.decode_attention(
+    out = torch.ops.wavecore.decode_attention(
         queries, keys, values, decode.block_tables, decode.context_lens, head_dim**-0.5
     )
     # float32 sums of exactly widened bfloat16 keys and values (the fused bfloat16
