@@ -1,7 +1,7 @@
 """Building the package's C kernels for this machine, once each: the LoRA deltas
-(`lora/delta_kernel.c`), decode attention (`model/decode_attention.c`) and the
-weight-only products with int8 activations (`model/vnni_product.c`, a torch operator
-through `model/vnni_op.cpp`).
+(`lora/delta_kernel.c`), and, each a torch operator through a C++ file beside it,
+decode attention (`model/decode_attention.c`), the weight-only products with int8
+activations (`model/vnni_product.c`) and RMS norm (`model/rms_norm.c`).
 
 Rules:
 1. Built at first use by the C compiler (`$CC`, else `cc`), `-O3 -march=native

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from wavecore.engine.lora.compute import LoRARows, add_lora
+from wavecore.engine.model import native_norm
 from wavecore.engine.model.attention import paged_attention
 from wavecore.engine.model.batch_plan import ForwardPlan
 from wavecore.engine.model.config import ModelConfig
@@ -24,6 +25,8 @@ from wavecore.engine.model.weights import ModelWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if native_norm.usable(x, weight):
+        return torch.ops.wavecore.rms_norm(x, weight, eps)
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
     # Reduced precision: normalize in float32, scale in the model's dtype, as HF does.

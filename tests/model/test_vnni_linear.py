@@ -52,7 +52,9 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
     """`x` as the kernel rounds it: per group of 32, codes round(x * 127 / max |x|)."""
     groups = x.reshape(x.shape[0], -1, GROUP)
     largest = groups.abs().amax(dim=-1, keepdim=True)
-    inverse = torch.where(largest > 0, 127 / largest, torch.zeros_like(largest))
+    # 127 / largest as the kernel divides (a Python number over a tensor would multiply
+    # by the tensor's reciprocal, another rounding, and now and then another code).
+    inverse = torch.where(largest > 0, torch.full_like(largest, 127.0) / largest, 0.0)
     return (torch.round(groups * inverse) * (largest / 127)).reshape(x.shape).double()
 
 
