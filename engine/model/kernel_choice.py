@@ -233,18 +233,17 @@ def candidate_kernels(
         kernels.append("onednn-bf16")
     if weights == "auto" and device.type == "cpu" and dtype == torch.float32 and has_fbgemm():
         kernels.append("fbgemm")
-    if (
-        weights == "auto"
-        and shapes is not None
-        and all(can_pack_woq(device, dtype, i, o) for o, i in (*shapes.layer, shapes.head))
-    ):
-        kernels.append("woq")
-    if (
-        weights == "auto"
-        and shapes is not None
-        and all(can_pack_vnni(device, dtype, i, o) for o, i in (*shapes.layer, shapes.head))
-    ):
-        kernels.append("woq-vnni")
+    weight_only: dict[Kernel, Callable[..., bool]] = {
+        "woq": can_pack_woq,
+        "woq-vnni": can_pack_vnni,
+    }
+    for kernel, packs in weight_only.items():
+        if (
+            weights == "auto"
+            and shapes is not None
+            and all(packs(device, dtype, i, o) for o, i in (*shapes.layer, shapes.head))
+        ):
+            kernels.append(kernel)
     return kernels
 
 

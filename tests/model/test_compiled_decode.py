@@ -16,7 +16,7 @@ import torch
 from model_test_helpers import ArgmaxSampler, GreedyRunner, greedy_alone
 
 from wavecore.engine.config import EngineConfig
-from wavecore.engine.model import ModelExecutor, load_executor
+from wavecore.engine.model import ModelExecutor, load_executor, vnni_linear
 from wavecore.engine.model import compiled_decode as compiled_module
 from wavecore.engine.model.errors import CompileDecodeError
 from wavecore.engine.model.kernel_plan import FORCE_ENV
@@ -227,3 +227,37 @@ def test_the_layout_sees_what_a_graph_depends_on_and_not_the_values(
         assert layout(other, cache) != layout(weights, cache), changed
     assert layout(1e-5) == layout(1e-5) != layout(1e-6)  # constants are compiled in
     assert layout(float("nan")) == layout(float("nan"))
+
+
+@pytest.mark.soak  # a second compile of the model: outside make test's time budget
+def test_the_native_operators_run_inside_the_graph(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weight-only products with int8 activations and decode attention over a
+    bfloat16 cache, torch operators registered in C++, called by the graph's C++ wrapper:
+    the same greedy tokens as eager."""
+    if not vnni_linear.can_pack_vnni(torch.device("cpu"), torch.float32, 32, 16):
+        pytest.skip(vnni_linear.kernel_report())
+    monkeypatch.setenv(FORCE_ENV, "woq-vnni")
+
+    def load_vnni(compile_decode: bool) -> ModelExecutor:
+        return load_executor(
+            str(tiny_gguf),
+            device="cpu",
+            kv_cache_memory=64 * 2**10,
+            kv_cache_dtype="bfloat16",
+            block_size=4,
+            sampler=ArgmaxSampler(),
+            compile_decode=compile_decode,
+        )
+
+    compiled, eager = load_vnni(True), load_vnni(False)
+    try:
+        assert compiled.path_report()["decode"] == "woq-vnni (compiled)"
+        assert compiled.path_report()["attention"].startswith("native kernel")
+        before = graphs()
+        assert greedy_alone(compiled, PROMPT, 16) == greedy_alone(eager, PROMPT, 16)
+        assert graphs() == before
+    finally:
+        compiled.close()
+        eager.close()
